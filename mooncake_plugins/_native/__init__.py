@@ -1,0 +1,1 @@
+"""Extension modules compiled from native/ by setup.py (generated, never edited)."""

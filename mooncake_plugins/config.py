@@ -1,0 +1,89 @@
+"""The only module that reads ``MC_*``/``MOONCAKE_*`` environment variables.
+
+Every knob has a documented default; the engine and CLIs take an explicit
+:class:`EngineConfig` and never read the environment themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+PURE_PYTHON: bool = os.environ.get("MOONCAKE_PUREPYTHON") == "1"
+"""Force the pure-Python fallbacks even where the native extensions are built."""
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _float_env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
+
+
+@dataclass
+class EngineConfig:
+    """Tunables of one :class:`~mooncake_plugins.transfer.engine.TransferEngine`.
+
+    Attributes:
+        slice_nbytes: large requests are cut into slices of this size (MC_SLICE_SIZE).
+        workers: initiator threads executing slices (MC_WORKERS).
+        connections_per_peer: tcp connections opened to one peer at most (MC_TCP_CONNECTIONS).
+        transfer_timeout_s: socket deadline for one slice (MC_TRANSFER_TIMEOUT).
+        connect_timeout_s: deadline for connecting to a peer (MC_CONNECT_TIMEOUT).
+        transports: transports allowed, in order of preference when a peer supports
+            several (MC_TRANSPORTS, comma separated). "shm" is used only for same-host peers.
+        retries: extra attempts of a failed slice on another path (MC_RETRIES).
+    """
+
+    slice_nbytes: int = 1 << 20
+    workers: int = 4
+    connections_per_peer: int = 4
+    transfer_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    transports: list[str] = field(default_factory=lambda: ["shm", "tcp"])
+    retries: int = 1
+
+    @classmethod
+    def from_env(cls) -> "EngineConfig":
+        """Defaults overridden by the MC_* environment variables named above."""
+        cfg = cls()
+        cfg.slice_nbytes = _int_env("MC_SLICE_SIZE", cfg.slice_nbytes)
+        cfg.workers = _int_env("MC_WORKERS", cfg.workers)
+        cfg.connections_per_peer = _int_env("MC_TCP_CONNECTIONS", cfg.connections_per_peer)
+        cfg.transfer_timeout_s = _float_env("MC_TRANSFER_TIMEOUT", cfg.transfer_timeout_s)
+        cfg.connect_timeout_s = _float_env("MC_CONNECT_TIMEOUT", cfg.connect_timeout_s)
+        cfg.retries = _int_env("MC_RETRIES", cfg.retries)
+        raw = os.environ.get("MC_TRANSPORTS")
+        if raw:
+            cfg.transports = [t.strip() for t in raw.split(",") if t.strip()]
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if not 4096 <= self.slice_nbytes <= 64 << 20:
+            raise ValueError(f"slice_nbytes={self.slice_nbytes} must be in [4 KiB, 64 MiB]")
+        if not 1 <= self.workers <= 256:
+            raise ValueError(f"workers={self.workers} must be in [1, 256]")
+        if not 1 <= self.connections_per_peer <= 64:
+            raise ValueError(f"connections_per_peer={self.connections_per_peer} must be in [1, 64]")
+        if self.transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+        if self.retries < 0:
+            raise ValueError("retries must be >= 0")
+        unknown = set(self.transports) - {"tcp", "shm"}
+        if unknown or not self.transports:
+            raise ValueError(f"transports={self.transports}: choose from 'shm', 'tcp'")

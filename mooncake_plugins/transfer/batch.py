@@ -1,0 +1,119 @@
+"""Transfer requests, their slices, and the status of a batch.
+
+A :class:`Batch` is completed by the engine's worker threads; callers poll
+``status()``/``done()`` or block in ``wait()``. Lock order: ``Batch._lock`` is a leaf.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass
+
+from ..errors import InvalidArgument, MooncakeError, TransferTimeout
+
+
+class OpCode(enum.IntEnum):
+    """Direction of a request, seen from the initiator (values match the original)."""
+
+    READ = 0
+    WRITE = 1
+
+
+class TransferStatus(enum.IntEnum):
+    """Status of one request or a whole batch (values match the original's enum)."""
+
+    WAITING = 0
+    PENDING = 1
+    INVALID = 2
+    CANCELED = 3
+    COMPLETED = 4
+    TIMEOUT = 5
+    FAILED = 6
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """Move ``nbytes`` between local ``local_address`` and the target's ``remote_address``."""
+
+    op: OpCode
+    local_address: int
+    remote_address: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, OpCode):
+            raise InvalidArgument(f"op must be OpCode.READ or OpCode.WRITE, got {self.op!r}")
+        for name in ("local_address", "remote_address", "nbytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
+
+
+class Batch:
+    """Requests submitted together to one segment; completion is tracked per request."""
+
+    def __init__(self, batch_id: int, segment: str, requests: list[TransferRequest]) -> None:
+        self.id = batch_id
+        self.segment = segment
+        self.requests = requests
+        self.nbytes = sum(r.nbytes for r in requests)
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self._done_event = threading.Event()
+        self._left = [0] * len(requests)  # slices still running, per request
+        self._errors: list[MooncakeError | None] = [None] * len(requests)
+        self._open = 0
+
+    # -- engine side ---------------------------------------------------------------
+    def add_slices(self, index: int, count: int) -> None:
+        self._left[index] += count
+        self._open += count
+
+    def seal(self) -> None:
+        """No more slices will be added; an empty batch completes at once."""
+        if self._open == 0:
+            self._done_event.set()
+
+    def slice_done(self, index: int, error: MooncakeError | None = None) -> None:
+        with self._lock:
+            self._left[index] -= 1
+            if error is not None and self._errors[index] is None:
+                self._errors[index] = error
+            self._open -= 1
+            if self._open == 0:
+                self._done_event.set()
+
+    # -- caller side ---------------------------------------------------------------
+    def done(self) -> bool:
+        return self._done_event.is_set()
+
+    def request_status(self, index: int) -> TransferStatus:
+        with self._lock:
+            if self._errors[index] is not None:
+                return TransferStatus.FAILED if self._left[index] == 0 else TransferStatus.PENDING
+            return TransferStatus.COMPLETED if self._left[index] == 0 else TransferStatus.PENDING
+
+    def status(self) -> TransferStatus:
+        """COMPLETED when every request succeeded, FAILED when all ended and one failed."""
+        if not self.done():
+            return TransferStatus.PENDING
+        return TransferStatus.FAILED if self.error() else TransferStatus.COMPLETED
+
+    def error(self) -> MooncakeError | None:
+        """The first error of any request, or None."""
+        with self._lock:
+            return next((e for e in self._errors if e is not None), None)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every slice ended; raise the first error, or TransferTimeout.
+
+        Called from any thread; blocks.
+        """
+        if not self._done_event.wait(timeout_s):
+            raise TransferTimeout(f"batch {self.id} to {self.segment!r} ({self.nbytes} bytes) "
+                                  f"did not complete within {timeout_s} s")
+        err = self.error()
+        if err is not None:
+            raise err

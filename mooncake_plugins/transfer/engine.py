@@ -1,0 +1,463 @@
+"""TransferEngine: registered memory, segments, batches, and the choice of transport per peer.
+
+Thread model: public methods may be called from any thread. Slices run on the engine's
+worker pool; the tcp server has its own threads. Lock order: ``TransferEngine._lock``
+before ``Peer._lock``; RegionTable and Batch locks are leaves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import socket
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import msgpack
+
+from ..config import EngineConfig
+from ..errors import (AddressError, InvalidArgument, MetadataError, MooncakeError,
+                      SegmentNotFound, TransferError, TransportUnavailable)
+from . import memory, protocol
+from .batch import Batch, OpCode, TransferRequest
+from .metadata import MetadataStore, from_url
+from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor, check_range
+from .topology import host_id
+from .transports import get_transport
+from .transports.base import OP_READ, OP_WRITE, Transport
+from .transports.shm import EPOCH, impl as shm_impl
+from .transports.tcp import TcpServer, TcpTransport
+
+log = logging.getLogger(__name__)
+
+METADATA_PREFIX = "mooncake/segments/"
+P2P = "P2PHANDSHAKE"
+
+
+@dataclass(eq=False)
+class ManagedBuffer:
+    """Memory allocated (memfd-backed) and registered by the engine; same-host peers map it."""
+
+    address: int
+    nbytes: int
+    region: Region
+
+    def view(self) -> memoryview:
+        """A writable memoryview of the whole buffer (valid until ``free``)."""
+        return memory.view(self.address, self.nbytes)
+
+
+class _Memfd:
+    """An anonymous shared-memory file mapped in this process."""
+
+    def __init__(self, name: str, nbytes: int) -> None:
+        self.fd = shm_impl.memfd_create(name)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            self.map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self.export = memory.Export(self.map, True)
+
+    def close(self) -> None:
+        self.export.release()
+        self.map.close()
+        os.close(self.fd)
+
+
+class Peer:
+    """A remote segment: its latest descriptor and how to refresh it."""
+
+    def __init__(self, engine: "TransferEngine", name: str, descriptor: SegmentDescriptor) -> None:
+        self.name = name
+        self.descriptor = descriptor
+        self._engine = engine
+        self._lock = threading.Lock()
+
+    def refresh(self) -> SegmentDescriptor:
+        """Fetch the descriptor again, straight from the peer's rpc port."""
+        with self._lock:
+            old = self.descriptor
+            self.descriptor = self._engine._fetch_from_peer(old.host, old.port)
+            return self.descriptor
+
+
+def _split_hostname(local_hostname: str) -> tuple[str, int]:
+    host, sep, port = local_hostname.rpartition(":")
+    if not sep:
+        return local_hostname, 0
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise InvalidArgument(f"bad port in local_hostname {local_hostname!r}")
+    return host.strip("[]"), int(port)
+
+
+class TransferEngine:
+    """Moves bytes between this process's registered memory and other segments.
+
+    Args:
+        local_hostname: ``host`` or ``host:port`` to serve this segment on (port 0/absent
+            picks a free one).
+        metadata_server: ``P2PHANDSHAKE`` (default, no server), ``http://h:p/metadata``,
+            ``etcd://h:p`` or ``redis://h:p``.
+        config: tunables (default: :meth:`EngineConfig.from_env`).
+        segment_name: name to publish under (default: ``host:port`` of the rpc server,
+            which is what peers must use in P2PHANDSHAKE mode).
+
+    Raises:
+        InvalidArgument, MetadataError, OSError (port in use).
+    """
+
+    def __init__(self, local_hostname: str = "127.0.0.1", metadata_server: str = P2P, *,
+                 config: EngineConfig | None = None, segment_name: str | None = None) -> None:
+        self.config = config or EngineConfig.from_env()
+        self.config.validate()
+        host, port = _split_hostname(local_hostname)
+        bind_host = socket.gethostbyname(host) if host else "0.0.0.0"
+        self._metadata: MetadataStore | None = from_url(metadata_server)
+        self._regions = RegionTable()
+        self._lock = threading.Lock()
+        self._peers: dict[str, Peer] = {}
+        self._managed: dict[int, tuple[ManagedBuffer, _Memfd]] = {}
+        self._notifies: list[tuple[str, str]] = []
+        self._batch_ids = itertools.count(1)
+        self._closed = False
+        self._epoch = _Memfd("mooncake-epoch", mmap.PAGESIZE)
+        self._server = TcpServer(bind_host, port, self._regions, self._on_control)
+        self.host = bind_host if bind_host != "0.0.0.0" else socket.gethostbyname(socket.gethostname())
+        self.rpc_port = self._server.port
+        if segment_name is None:
+            segment_name = f"{self.host}:{self.rpc_port}" if self._metadata is None or not host \
+                or port == 0 else local_hostname
+        self.segment_name = segment_name
+        self._tcp = TcpTransport(self.config.connections_per_peer, self.config.connect_timeout_s,
+                                 self.config.transfer_timeout_s)
+        self._transports: list[Transport] = []
+        for name in self.config.transports:
+            if name == "tcp":
+                self._transports.append(self._tcp)
+            else:
+                try:
+                    self._transports.append(get_transport(name))
+                except TransportUnavailable as exc:
+                    log.warning("transport %s disabled: %s", name, exc)
+        self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="mc-worker")
+        self._publish()
+        log.info("engine %s serving on %s:%d (transports %s, tcp io %s)", self.segment_name,
+                 self.host, self.rpc_port, [t.name for t in self._transports],
+                 "native" if memory.IMPLEMENTATION == "native" else "python")
+
+    # -- registration ----------------------------------------------------------------
+    def register(self, buffer: Any, location: str = "*") -> Region:
+        """Register a buffer object (bytearray, numpy array, mmap, CPU tensor, bytes read-only).
+
+        The object is kept alive, and cannot be resized, until ``unregister``.
+        """
+        if callable(getattr(buffer, "data_ptr", None)):
+            address, nbytes = memory.address_of(buffer)
+            return self._add(RegionInfo(address, nbytes, location), keepalive=buffer)
+        try:
+            exp = memory.Export(buffer, False)
+        except (TypeError, BufferError) as exc:
+            raise InvalidArgument(f"cannot register {type(buffer).__name__}: {exc}") from exc
+        try:
+            return self._add(RegionInfo(exp.address, exp.nbytes, location,
+                                        readonly=bool(exp.readonly)), keepalive=exp)
+        except BaseException:
+            exp.release()
+            raise
+
+    def register_address(self, address: int, nbytes: int, location: str = "*") -> Region:
+        """Register raw memory; the caller keeps it valid until ``unregister``."""
+        return self._add(RegionInfo(address, nbytes, location))
+
+    def _add(self, info: RegionInfo, keepalive: Any = None) -> Region:
+        self._check_open()
+        region = self._regions.add(Region(info, keepalive=keepalive))
+        self._changed()
+        return region
+
+    def unregister(self, address: int | Region) -> None:
+        """Unregister the region starting at ``address``; RegionBusy while in use."""
+        self._check_open()
+        addr = address.address if isinstance(address, Region) else address
+        if addr in self._managed:
+            raise InvalidArgument(f"0x{addr:x} is a managed buffer: use free()")
+        region = self._regions.remove(addr)
+        if hasattr(region.keepalive, "release"):
+            region.keepalive.release()
+        self._changed()
+
+    def allocate(self, nbytes: int, location: str = "*") -> ManagedBuffer:
+        """Allocate and register ``nbytes`` of memfd-backed memory (shm peers map it directly)."""
+        self._check_open()
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgument(f"nbytes must be a positive int, got {nbytes!r}")
+        mf = _Memfd("mooncake-buffer", nbytes)
+        try:
+            region = self._regions.add(Region(RegionInfo(mf.export.address, nbytes, location, mf.fd)))
+        except BaseException:
+            mf.close()
+            raise
+        buf = ManagedBuffer(mf.export.address, nbytes, region)
+        with self._lock:
+            self._managed[buf.address] = (buf, mf)
+        self._changed()
+        return buf
+
+    def free(self, address: int | ManagedBuffer) -> None:
+        """Unregister and release a buffer from :meth:`allocate`."""
+        addr = address.address if isinstance(address, ManagedBuffer) else address
+        with self._lock:
+            if addr not in self._managed:
+                raise InvalidArgument(f"0x{addr:x} was not allocated by this engine")
+            self._regions.remove(addr)
+            _, mf = self._managed.pop(addr)
+        mf.close()
+        self._changed()
+
+    def local_view(self, address: int, nbytes: int) -> memoryview:
+        """A writable memoryview of locally registered memory; AddressError outside it."""
+        region = self._regions.find(address, nbytes)
+        return memory.view(address, nbytes, readonly=region.readonly)
+
+    def regions(self) -> list[RegionInfo]:
+        return [r.info for r in self._regions.regions()]
+
+    def _changed(self) -> None:
+        epoch = self._regions.epoch
+        self._publish()
+        EPOCH.pack_into(self._epoch.map, 0, epoch)
+
+    def descriptor(self) -> SegmentDescriptor:
+        """This engine's own descriptor, as peers see it."""
+        return SegmentDescriptor(self.segment_name, self.host, self.rpc_port, os.getpid(),
+                                 host_id(), self._regions.epoch, self._epoch.fd, self.regions())
+
+    def _publish(self) -> None:
+        if self._metadata is not None:
+            self._metadata.put(METADATA_PREFIX + self.segment_name,
+                               msgpack.packb(self.descriptor().to_wire(), use_bin_type=True))
+
+    # -- control port ----------------------------------------------------------------
+    def _on_control(self, msg: dict) -> bytes:
+        cmd = msg["cmd"]
+        if cmd == "describe":
+            return msgpack.packb(self.descriptor().to_wire(), use_bin_type=True)
+        if cmd == "notify":
+            with self._lock:
+                self._notifies.append((msg["name"], msg["msg"]))
+            return b""
+        return b"pong"
+
+    def notify(self, segment: str, name: str, msg: str) -> None:
+        """Deliver a (name, msg) notification to ``segment`` (read there with ``take_notifies``)."""
+        d = self.open_segment(segment).descriptor
+        self._tcp.control(d.host, d.port, "notify", name=name, msg=msg)
+
+    def take_notifies(self) -> list[tuple[str, str]]:
+        """Return and clear the notifications received so far."""
+        with self._lock:
+            out, self._notifies = self._notifies, []
+        return out
+
+    # -- segments --------------------------------------------------------------------
+    def _fetch_from_peer(self, host: str, port: int) -> SegmentDescriptor:
+        try:
+            raw = self._tcp.control(host, port, "describe")
+            return SegmentDescriptor.from_wire(msgpack.unpackb(raw, raw=False))
+        except TransferError as exc:
+            raise SegmentNotFound(f"segment at {host}:{port} is unreachable: {exc}") from exc
+        except (ValueError, msgpack.ExtraData) as exc:
+            raise MetadataError(f"segment at {host}:{port} sent a bad descriptor: {exc}") from exc
+
+    def _lookup(self, segment: str) -> SegmentDescriptor:
+        if self._metadata is None:
+            host, port = _split_hostname(segment)
+            if not port:
+                raise InvalidArgument(f"in {P2P} mode a segment is named host:port, got {segment!r}")
+            return self._fetch_from_peer(host, port)
+        raw = self._metadata.get(METADATA_PREFIX + segment)
+        if raw is None:
+            raise SegmentNotFound(f"no segment {segment!r} is published in the metadata service")
+        try:
+            return SegmentDescriptor.from_wire(msgpack.unpackb(raw, raw=False))
+        except ValueError as exc:
+            raise MetadataError(f"descriptor of {segment!r} is malformed: {exc}") from exc
+
+    def open_segment(self, segment: str) -> Peer:
+        """Resolve (and cache) a segment by name. Raises SegmentNotFound."""
+        self._check_open()
+        with self._lock:
+            peer = self._peers.get(segment)
+        if peer is None:
+            peer = Peer(self, segment, self._lookup(segment))
+            with self._lock:
+                peer = self._peers.setdefault(segment, peer)
+        return peer
+
+    def close_segment(self, segment: str) -> None:
+        """Forget a cached segment (its connections and mappings)."""
+        with self._lock:
+            peer = self._peers.pop(segment, None)
+        if peer:
+            for t in self._transports:
+                t.forget(peer)
+
+    # -- transfers -------------------------------------------------------------------
+    def submit(self, segment: str, requests: Sequence[TransferRequest],
+               transport: str | None = None) -> Batch:
+        """Start a batch of requests to one segment and return at once.
+
+        Every local range must lie in a region registered here; every remote range in a
+        region the target registered (checked again by the target). ``transport``
+        restricts the paths tried (e.g. "tcp").
+
+        Raises:
+            InvalidArgument, AddressError, SegmentNotFound: before anything is sent.
+        """
+        peer = self.open_segment(segment)
+        reqs = list(requests)
+        for r in reqs:
+            check_range(r.remote_address, r.nbytes)
+            if r.nbytes:
+                if self._regions.find(r.local_address, r.nbytes).readonly and r.op == OpCode.READ:
+                    raise AddressError("cannot READ into a region registered read-only")
+                self._check_remote(peer, r.remote_address, r.nbytes, r.op == OpCode.WRITE)
+        paths = self._paths(peer, transport)
+        batch = Batch(next(self._batch_ids), segment, reqs)
+        tasks: list[list[tuple[int, int, int, int, int]]] = []
+        current: list[tuple[int, int, int, int, int]] = []
+        budget = 0
+        step = self.config.slice_nbytes
+        for index, r in enumerate(reqs):
+            op = OP_WRITE if r.op == OpCode.WRITE else OP_READ
+            for off in range(0, r.nbytes, step):
+                n = min(step, r.nbytes - off)
+                batch.add_slices(index, 1)
+                current.append((index, op, r.local_address + off, r.remote_address + off, n))
+                budget += n
+                if budget >= step or len(current) >= 16:
+                    tasks.append(current)
+                    current, budget = [], 0
+        if current:
+            tasks.append(current)
+        batch.seal()
+        for task in tasks:
+            self._pool.submit(self._run_task, peer, paths, batch, task)
+        return batch
+
+    def _check_remote(self, peer: Peer, address: int, nbytes: int, write: bool) -> None:
+        try:
+            peer.descriptor.find(address, nbytes, write)
+        except AddressError:
+            peer.refresh().find(address, nbytes, write)  # it may have registered since
+
+    def _paths(self, peer: Peer, transport: str | None) -> list[Transport]:
+        paths = [t for t in self._transports if (transport in (None, "", t.name)) and t.supports(peer)]
+        if not paths:
+            raise TransportUnavailable(f"no transport reaches segment {peer.name!r}"
+                                       + (f" with hint {transport!r}" if transport else ""))
+        return paths
+
+    def _run_task(self, peer: Peer, paths: list[Transport], batch: Batch,
+                  task: list[tuple[int, int, int, int, int]]) -> None:
+        for index, op, local, remote, n in task:
+            error: MooncakeError | None = None
+            region = None
+            try:
+                region = self._regions.acquire(local, n)
+                self._run_slice(peer, paths, op, local, remote, n)
+            except MooncakeError as exc:
+                error = exc
+            except Exception as exc:  # keep the worker alive; report on the batch
+                log.exception("slice to %s failed unexpectedly", peer.name)
+                error = TransferError(f"slice to {peer.name!r} failed: {exc!r}")
+            finally:
+                if region is not None:
+                    self._regions.release(region)
+            batch.slice_done(index, error)
+
+    def _run_slice(self, peer: Peer, paths: list[Transport], op: int, local: int, remote: int,
+                   n: int) -> None:
+        attempts = 0
+        last: Exception | None = None
+        for transport in itertools.chain(paths, itertools.repeat(paths[-1], self.config.retries)):
+            try:
+                transport.execute(peer, op, local, remote, n)
+                return
+            except AddressError:
+                raise  # the target refused the range: another path will not help
+            except (MooncakeError, OSError) as exc:
+                attempts += 1
+                last = exc
+                log.info("slice %s 0x%x+%d to %s failed on %s (attempt %d): %s",
+                         "WRITE" if op == OP_WRITE else "READ", remote, n, peer.name,
+                         transport.name, attempts, exc)
+        raise TransferError(f"transfer to segment {peer.name!r} failed after {attempts} "
+                            f"attempts: {last}") from last
+
+    def transfer(self, segment: str, op: OpCode, local_address: int, remote_address: int,
+                 nbytes: int, timeout_s: float | None = None, transport: str | None = None) -> None:
+        """One request, blocking until done. Raises the request's error."""
+        self.submit(segment, [TransferRequest(op, local_address, remote_address, nbytes)],
+                    transport).wait(timeout_s)
+
+    def read(self, segment: str, local_address: int, remote_address: int, nbytes: int,
+             timeout_s: float | None = None) -> None:
+        """Copy ``nbytes`` from the segment into local registered memory (blocking)."""
+        self.transfer(segment, OpCode.READ, local_address, remote_address, nbytes, timeout_s)
+
+    def write(self, segment: str, local_address: int, remote_address: int, nbytes: int,
+              timeout_s: float | None = None) -> None:
+        """Copy ``nbytes`` of local registered memory into the segment (blocking)."""
+        self.transfer(segment, OpCode.WRITE, local_address, remote_address, nbytes, timeout_s)
+
+    # -- lifecycle -------------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, int]:
+        """Bytes served to peers by the tcp server (in = written to us, out = read from us)."""
+        return {"bytes_in": self._server.bytes_in, "bytes_out": self._server.bytes_out}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument("the transfer engine is closed")
+
+    def close(self) -> None:
+        """Stop serving, unpublish, wait for running slices and release all memory."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._metadata is not None:
+            try:
+                self._metadata.delete(METADATA_PREFIX + self.segment_name)
+            except MetadataError as exc:
+                log.warning("could not unpublish %s: %s", self.segment_name, exc)
+            self._metadata.close()
+        self._server.close()
+        self._pool.shutdown(wait=True)
+        for t in self._transports:
+            t.close()
+        for _, mf in self._managed.values():
+            mf.close()
+        self._managed.clear()
+        for region in self._regions.regions():
+            if hasattr(region.keepalive, "release"):
+                region.keepalive.release()
+        self._epoch.close()
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"TransferEngine {self.segment_name!r} was not closed", ResourceWarning,
+                          stacklevel=2)

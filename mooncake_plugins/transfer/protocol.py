@@ -1,0 +1,124 @@
+"""Wire frames of the engine's rpc port, and their validation.
+
+Data frames have a fixed binary header (little endian) so the hot path needs one
+``struct`` call; control frames carry a msgpack map. Every field is checked here; a
+frame that fails raises :class:`ProtocolError`, and the server closes that connection.
+
+Request:  magic u32 | version u8 | op u8 | flags u16 | req_id u64 | address u64 | nbytes u64 | aux_len u32
+Response: magic u32 | status i32 | req_id u64 | nbytes u64   (then nbytes of payload or error text)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ..errors import ProtocolError
+
+MAGIC = 0x4D43544E  # "MCTN"
+VERSION = 1
+REQUEST = struct.Struct("<IBBHQQQI")
+RESPONSE = struct.Struct("<IiQQ")
+
+OP_READ = 1
+OP_WRITE = 2
+OP_CONTROL = 3
+OPS = (OP_READ, OP_WRITE, OP_CONTROL)
+
+MAX_SLICE_NBYTES = 64 << 20
+"""Largest data payload in one frame; larger requests are sliced by the initiator."""
+MAX_CONTROL_NBYTES = 1 << 20
+MAX_ERROR_NBYTES = 4096
+
+CONTROL_COMMANDS = {
+    "describe": {},
+    "ping": {},
+    "notify": {"name": str, "msg": str},
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    op: int
+    req_id: int
+    address: int
+    nbytes: int
+    aux_len: int
+
+
+def encode_request(op: int, req_id: int, address: int, nbytes: int, aux_len: int = 0) -> bytes:
+    return REQUEST.pack(MAGIC, VERSION, op, 0, req_id, address, nbytes, aux_len)
+
+
+def decode_request(header: bytes) -> Request:
+    """Parse and validate a request header."""
+    if len(header) != REQUEST.size:
+        raise ProtocolError(f"request header has {len(header)} bytes, expected {REQUEST.size}")
+    magic, version, op, flags, req_id, address, nbytes, aux_len = REQUEST.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic 0x{magic:08x}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version}")
+    if op not in OPS:
+        raise ProtocolError(f"unknown op {op}")
+    if flags != 0:
+        raise ProtocolError(f"unknown flags 0x{flags:x}")
+    if op == OP_CONTROL:
+        if address or nbytes or not 0 < aux_len <= MAX_CONTROL_NBYTES:
+            raise ProtocolError(f"bad control frame (address={address}, nbytes={nbytes}, "
+                                f"aux_len={aux_len})")
+    else:
+        if aux_len:
+            raise ProtocolError("data frames carry no aux payload")
+        if not 0 < nbytes <= MAX_SLICE_NBYTES:
+            raise ProtocolError(f"data frame nbytes={nbytes} outside (0, {MAX_SLICE_NBYTES}]")
+        if address + nbytes > (1 << 64) - 1:
+            raise ProtocolError("data frame range wraps around the address space")
+    return Request(op, req_id, address, nbytes, aux_len)
+
+
+def encode_response(status: int, req_id: int, nbytes: int) -> bytes:
+    return RESPONSE.pack(MAGIC, status, req_id, nbytes)
+
+
+def decode_response(header: bytes, req_id: int, expect_nbytes: int) -> tuple[int, int]:
+    """Validate a response to request ``req_id``; return ``(status, nbytes)``."""
+    magic, status, rid, nbytes = RESPONSE.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad response magic 0x{magic:08x}")
+    if rid != req_id:
+        raise ProtocolError(f"response for request {rid}, expected {req_id}")
+    if status == 0:
+        if nbytes != expect_nbytes:
+            raise ProtocolError(f"response carries {nbytes} bytes, expected {expect_nbytes}")
+    elif status > 0 or nbytes > MAX_ERROR_NBYTES:
+        raise ProtocolError(f"bad error response (status={status}, nbytes={nbytes})")
+    return status, nbytes
+
+
+def encode_control(cmd: str, **fields: Any) -> bytes:
+    return msgpack.packb({"cmd": cmd, **fields}, use_bin_type=True)
+
+
+def decode_control(payload: bytes) -> dict[str, Any]:
+    """Unpack and validate a control message against :data:`CONTROL_COMMANDS`."""
+    try:
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_bin_len=0,
+                              max_array_len=16, max_map_len=16)
+    except Exception as exc:
+        raise ProtocolError(f"control payload is not valid msgpack: {exc}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("cmd"), str):
+        raise ProtocolError("control payload must be a map with a string 'cmd'")
+    schema = CONTROL_COMMANDS.get(msg["cmd"])
+    if schema is None:
+        raise ProtocolError(f"unknown control command {msg['cmd']!r}")
+    extra = set(msg) - set(schema) - {"cmd"}
+    if extra:
+        raise ProtocolError(f"control command {msg['cmd']!r} has unknown fields {sorted(extra)}")
+    for key, typ in schema.items():
+        if not isinstance(msg.get(key), typ) or len(msg[key]) > 65536:
+            raise ProtocolError(f"control command {msg['cmd']!r} needs {key}: {typ.__name__}")
+    return msg

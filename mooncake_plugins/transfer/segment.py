@@ -1,0 +1,205 @@
+"""Registered memory regions and bounds checks: the engine's security boundary.
+
+A process exposes only what it registered. Every remote request (tcp target side) and
+every same-host copy (shm initiator side, against the published descriptor) is checked
+here before an address is turned into a pointer.
+
+Lock order: ``RegionTable._lock`` is a leaf lock; nothing else is taken while it is held.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import AddressError, InvalidArgument, ProtocolError, RegionBusy
+
+MAX_ADDRESS = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """A region as published in a segment descriptor.
+
+    ``memfd`` is the fd number of the memfd backing the region in its owner (-1 when the
+    region is ordinary process memory); same-host peers map it through /proc. Peers may
+    READ a ``readonly`` region but never WRITE it.
+    """
+
+    address: int
+    nbytes: int
+    location: str = "*"
+    memfd: int = -1
+    readonly: bool = False
+
+    def contains(self, address: int, nbytes: int) -> bool:
+        return self.address <= address and address + nbytes <= self.address + self.nbytes
+
+
+@dataclass(eq=False)
+class Region:
+    """A locally registered region; ``inflight`` counts transfers touching it now."""
+
+    info: RegionInfo
+    keepalive: Any = None
+    inflight: int = 0
+
+    @property
+    def address(self) -> int:
+        return self.info.address
+
+    @property
+    def nbytes(self) -> int:
+        return self.info.nbytes
+
+    @property
+    def readonly(self) -> bool:
+        return self.info.readonly
+
+
+def check_range(address: int, nbytes: int) -> None:
+    """Reject negative, zero-length-overflowing or wrapping ranges (InvalidArgument)."""
+    if not isinstance(address, int) or not isinstance(nbytes, int):
+        raise InvalidArgument(f"address and nbytes must be int, got {type(address).__name__}, "
+                              f"{type(nbytes).__name__}")
+    if address < 0 or nbytes < 0 or address + nbytes > MAX_ADDRESS:
+        raise InvalidArgument(f"bad range address=0x{address:x} nbytes={nbytes}")
+
+
+class RegionTable:
+    """Non-overlapping registered regions, sorted by address, with bounds lookups."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._regions: list[Region] = []
+        self.epoch = 0
+
+    def add(self, region: Region) -> Region:
+        """Insert ``region``; overlapping an existing region is an InvalidArgument."""
+        addr, n = region.address, region.nbytes
+        check_range(addr, n)
+        if n == 0:
+            raise InvalidArgument("cannot register an empty region")
+        with self._lock:
+            i = bisect.bisect_right(self._starts, addr)
+            prev = self._regions[i - 1] if i else None
+            nxt = self._regions[i] if i < len(self._regions) else None
+            if (prev and prev.address + prev.nbytes > addr) or (nxt and addr + n > nxt.address):
+                raise InvalidArgument(f"region 0x{addr:x}+{n} overlaps a registered region")
+            self._starts.insert(i, addr)
+            self._regions.insert(i, region)
+            self.epoch += 1
+        return region
+
+    def remove(self, address: int) -> Region:
+        """Remove the region starting at ``address``; RegionBusy while transfers use it."""
+        with self._lock:
+            i = bisect.bisect_left(self._starts, address)
+            if i == len(self._starts) or self._starts[i] != address:
+                raise InvalidArgument(f"no region is registered at 0x{address:x}")
+            region = self._regions[i]
+            if region.inflight:
+                raise RegionBusy(f"region 0x{address:x} has {region.inflight} transfers in flight")
+            del self._starts[i]
+            del self._regions[i]
+            self.epoch += 1
+        return region
+
+    def acquire(self, address: int, nbytes: int) -> Region:
+        """Find the region holding ``[address, address+nbytes)`` and count one more user.
+
+        Raises:
+            AddressError: the range is not entirely inside one registered region.
+        """
+        with self._lock:
+            region = self._find(address, nbytes)
+            region.inflight += 1
+            return region
+
+    def release(self, region: Region) -> None:
+        with self._lock:
+            region.inflight -= 1
+
+    def find(self, address: int, nbytes: int) -> Region:
+        """Like :meth:`acquire` without counting a user."""
+        with self._lock:
+            return self._find(address, nbytes)
+
+    def _find(self, address: int, nbytes: int) -> Region:
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i >= 0:
+            region = self._regions[i]
+            if region.info.contains(address, nbytes):
+                return region
+        raise AddressError(f"range 0x{address:x}+{nbytes} is not inside a registered region")
+
+    def regions(self) -> list[Region]:
+        with self._lock:
+            return list(self._regions)
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+
+@dataclass
+class SegmentDescriptor:
+    """What a peer needs to reach a segment: rpc endpoint, host identity and regions."""
+
+    name: str
+    host: str
+    port: int
+    pid: int
+    host_id: str
+    epoch: int = 0
+    epoch_memfd: int = -1
+    regions: list[RegionInfo] = field(default_factory=list)
+
+    def find(self, address: int, nbytes: int, write: bool = False) -> RegionInfo:
+        """The published region holding the range (writable if ``write``), else AddressError."""
+        for r in self.regions:
+            if r.contains(address, nbytes):
+                if write and r.readonly:
+                    raise AddressError(f"segment {self.name!r} registered 0x{r.address:x} read-only")
+                return r
+        raise AddressError(f"range 0x{address:x}+{nbytes} is not inside a region registered "
+                           f"by segment {self.name!r}")
+
+    def to_wire(self) -> dict:
+        return {"v": 1, "name": self.name, "host": self.host, "port": self.port, "pid": self.pid,
+                "host_id": self.host_id, "epoch": self.epoch, "epoch_memfd": self.epoch_memfd,
+                "regions": [[r.address, r.nbytes, r.location, r.memfd, r.readonly]
+                            for r in self.regions]}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "SegmentDescriptor":
+        """Validate every field of a decoded descriptor; ProtocolError on anything odd."""
+        def need(key: str, typ: type) -> Any:
+            if not isinstance(obj, dict) or key not in obj:
+                raise ProtocolError(f"segment descriptor lacks {key!r}")
+            val = obj[key]
+            if not isinstance(val, typ) or isinstance(val, bool):
+                raise ProtocolError(f"segment descriptor field {key!r} has type "
+                                    f"{type(val).__name__}, expected {typ.__name__}")
+            return val
+
+        if need("v", int) != 1:
+            raise ProtocolError(f"unsupported segment descriptor version {obj['v']}")
+        port, pid = need("port", int), need("pid", int)
+        if not 0 < port < 65536 or pid <= 0:
+            raise ProtocolError(f"segment descriptor has bad port {port} or pid {pid}")
+        regions = []
+        for item in need("regions", list):
+            if (not isinstance(item, list) or len(item) != 5
+                    or not all(isinstance(x, int) and not isinstance(x, bool)
+                               for x in (item[0], item[1], item[3]))
+                    or not isinstance(item[2], str) or not isinstance(item[4], bool)):
+                raise ProtocolError(f"segment descriptor has a malformed region {item!r}")
+            if item[0] < 0 or item[1] <= 0 or item[0] + item[1] > MAX_ADDRESS or item[3] < -1:
+                raise ProtocolError(f"segment descriptor has an impossible region {item!r}")
+            regions.append(RegionInfo(*item))
+        return cls(name=need("name", str), host=need("host", str), port=port, pid=pid,
+                   host_id=need("host_id", str), epoch=need("epoch", int),
+                   epoch_memfd=need("epoch_memfd", int), regions=regions)

@@ -1,0 +1,68 @@
+"""Transport ABC and the lazy name -> module registry.
+
+A transport executes one slice at a time, blocking, on an engine worker thread; the
+engine owns slicing, path choice and retries. Native modules are imported only when a
+transport is first built, so a missing system library becomes ``TransportUnavailable``
+at use time, never an import error.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from ...errors import TransportUnavailable
+
+if TYPE_CHECKING:
+    from ..engine import Peer
+
+OP_READ = 1
+OP_WRITE = 2
+
+
+class Transport(ABC):
+    """One way of reaching peers.
+
+    Thread model: ``execute`` is called concurrently from the engine's worker threads.
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def supports(self, peer: "Peer") -> bool:
+        """Whether this transport can reach ``peer`` at all."""
+
+    @abstractmethod
+    def execute(self, peer: "Peer", op: int, local_address: int, remote_address: int,
+                nbytes: int) -> None:
+        """Move one slice (blocking). Raises TransferError/AddressError/OSError on failure."""
+
+    def forget(self, peer: "Peer") -> None:
+        """Drop cached connections or mappings of a peer (it went away or changed)."""
+
+    def close(self) -> None:
+        """Release every resource; the transport is unusable afterwards."""
+
+
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "tcp": ("mooncake_plugins.transfer.transports.tcp", "TcpTransport"),
+    "shm": ("mooncake_plugins.transfer.transports.shm", "ShmTransport"),
+}
+
+
+def transport_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_transport(name: str, **kwargs: Any) -> Transport:
+    """Build transport ``name``; TransportUnavailable when unknown or unusable here."""
+    try:
+        module_name, class_name = _REGISTRY[name]
+    except KeyError:
+        raise TransportUnavailable(f"unknown transport {name!r}; known: {sorted(_REGISTRY)}") from None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise TransportUnavailable(f"{name}: {exc}") from exc
+    return getattr(module, class_name)(**kwargs)

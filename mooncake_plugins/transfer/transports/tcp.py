@@ -1,0 +1,382 @@
+"""The tcp transport: an rpc server exposing registered memory, and pooled client connections.
+
+The byte loops are ``_native.tcp`` (GIL released, gathered sendmsg, recv straight into
+registered memory); ``MOONCAKE_PUREPYTHON=1`` or a missing build selects the socket-module
+fallback below, which keeps the same function names.
+
+Server thread model: one accept thread, one thread per connection. Every frame is
+validated (protocol.py) and every address checked against the RegionTable before use;
+a malformed frame closes that connection with a logged error, never the process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import struct
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from ...config import PURE_PYTHON
+from ...errors import AddressError, MooncakeError, ProtocolError, TransferError, from_code
+from .. import memory, protocol
+from ..segment import RegionTable
+from .base import OP_READ, OP_WRITE, Transport
+
+if TYPE_CHECKING:
+    from ..engine import Peer
+
+log = logging.getLogger(__name__)
+
+
+class _PyIO:
+    """Fallback of ``_native.tcp`` on the socket module (same names and semantics)."""
+
+    @staticmethod
+    def _recv_into(fd: int, mv: memoryview) -> None:
+        s = socket.socket(fileno=fd)
+        try:
+            done, nbytes = 0, len(mv)
+            while done < nbytes:
+                n = s.recv_into(mv[done:], nbytes - done)
+                if n == 0:
+                    raise ConnectionResetError("peer closed the connection")
+                done += n
+        except BlockingIOError as exc:  # SO_RCVTIMEO expired
+            raise TimeoutError("socket deadline passed") from exc
+        finally:
+            s.detach()
+
+    @classmethod
+    def recv_into_address(cls, fd: int, address: int, nbytes: int) -> None:
+        cls._recv_into(fd, memory.view(address, nbytes))
+
+    @classmethod
+    def recv_exact(cls, fd: int, nbytes: int) -> bytes:
+        buf = bytearray(nbytes)
+        cls._recv_into(fd, memoryview(buf))
+        return bytes(buf)
+
+    @classmethod
+    def discard(cls, fd: int, nbytes: int) -> None:
+        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+        while nbytes:
+            n = min(nbytes, len(scratch))
+            cls._recv_into(fd, scratch[:n])
+            nbytes -= n
+
+    @staticmethod
+    def send_frame(fd: int, header: bytes, address: int, nbytes: int) -> None:
+        s = socket.socket(fileno=fd)
+        try:
+            parts = [memoryview(header)]
+            if nbytes:
+                parts.append(memory.view(address, nbytes, readonly=True))
+            while parts:  # sendmsg may be short: finish the frame byte-exactly
+                sent = s.sendmsg(parts)
+                while parts and sent >= len(parts[0]):
+                    sent -= len(parts[0])
+                    parts.pop(0)
+                if parts and sent:
+                    parts[0] = parts[0][sent:]
+        except BlockingIOError as exc:  # SO_SNDTIMEO expired
+            raise TimeoutError("socket deadline passed") from exc
+        finally:
+            s.detach()
+
+
+def _pick_io() -> Any:
+    if not PURE_PYTHON:
+        try:
+            from ..._native import tcp as native_tcp
+
+            return native_tcp
+        except ImportError as exc:  # pragma: no cover - depends on the build
+            log.warning("native tcp unavailable (%s); using the Python fallback", exc)
+    return _PyIO
+
+
+io: Any = _pick_io()
+IMPLEMENTATION = "python" if io is _PyIO else "native"
+
+
+def _set_deadline(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking socket whose syscalls give up after ``timeout_s`` (SO_RCVTIMEO/SO_SNDTIMEO)."""
+    sock.settimeout(None)
+    sec = int(timeout_s)
+    tv = struct.pack("ll", sec, int((timeout_s - sec) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, val in ((socket.TCP_KEEPIDLE, 5), (socket.TCP_KEEPINTVL, 2), (socket.TCP_KEEPCNT, 3)):
+        sock.setsockopt(socket.IPPROTO_TCP, opt, val)
+
+
+class TcpServer:
+    """The engine's rpc port: serves READ/WRITE of registered memory and control commands.
+
+    Args:
+        host, port: where to listen (port 0 picks a free one; see ``.port``).
+        regions: the local RegionTable every request is checked against.
+        on_control: called with a validated control message, returns the reply bytes.
+    """
+
+    def __init__(self, host: str, port: int, regions: RegionTable,
+                 on_control: Callable[[dict], bytes]) -> None:
+        self._regions = regions
+        self._on_control = on_control
+        self._listener = socket.create_server((host, port), backlog=128)
+        self.port: int = self._listener.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._thread = threading.Thread(target=self._accept_loop, name=f"mc-tcp-accept-{self.port}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            _tune(conn)
+            threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
+                             name=f"mc-tcp-serve-{addr[1]}").start()
+
+    def _serve(self, conn: socket.socket, addr: Any) -> None:
+        fd = conn.fileno()
+        try:
+            while True:
+                req = protocol.decode_request(io.recv_exact(fd, protocol.REQUEST.size))
+                if req.op == protocol.OP_CONTROL:
+                    msg = protocol.decode_control(io.recv_exact(fd, req.aux_len))
+                    self._reply(fd, req.req_id, 0, self._on_control(msg))
+                    continue
+                writing = req.op == protocol.OP_WRITE
+                try:
+                    region = self._regions.acquire(req.address, req.nbytes)
+                except AddressError as exc:
+                    log.warning("refused %s from %s: %s", "WRITE" if writing else "READ", addr, exc)
+                    if writing:
+                        io.discard(fd, req.nbytes)
+                    self._reply(fd, req.req_id, exc.code, str(exc).encode())
+                    continue
+                try:
+                    if writing and region.readonly:
+                        io.discard(fd, req.nbytes)
+                        self._reply(fd, req.req_id, AddressError.code,
+                                    b"region is registered read-only")
+                    elif writing:
+                        io.recv_into_address(fd, req.address, req.nbytes)
+                        self.bytes_in += req.nbytes
+                        io.send_frame(fd, protocol.encode_response(0, req.req_id, 0), 0, 0)
+                    else:
+                        io.send_frame(fd, protocol.encode_response(0, req.req_id, req.nbytes),
+                                      req.address, req.nbytes)
+                        self.bytes_out += req.nbytes
+                finally:
+                    self._regions.release(region)
+        except ProtocolError as exc:
+            log.error("closing connection from %s: malformed frame: %s", addr, exc)
+        except (ConnectionError, TimeoutError) as exc:
+            log.debug("connection from %s ended: %s", addr, exc)
+        except OSError as exc:
+            if not self._closed:
+                log.warning("connection from %s failed: %s", addr, exc)
+        except Exception:  # never let one connection take the process down
+            log.exception("closing connection from %s after an unexpected error", addr)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    @staticmethod
+    def _reply(fd: int, req_id: int, status: int, body: bytes) -> None:
+        body = body[:protocol.MAX_ERROR_NBYTES] if status else body
+        io.send_frame(fd, protocol.encode_response(status, req_id, len(body)) + body, 0, 0)
+
+    def close(self) -> None:
+        """Stop accepting, close every connection and wait for the accept thread."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=5)
+
+
+class _Pool:
+    """Up to ``limit`` connections to one peer; callers borrow one per slice."""
+
+    def __init__(self, host: str, port: int, limit: int, connect_timeout_s: float,
+                 io_timeout_s: float) -> None:
+        self.host, self.port, self.limit = host, port, limit
+        self._connect_timeout_s = connect_timeout_s
+        self._io_timeout_s = io_timeout_s
+        self._idle: list[socket.socket] = []
+        self._count = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def get(self) -> socket.socket:
+        with self._cond:
+            while not self._idle and self._count >= self.limit and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise TransferError(f"connection pool to {self.host}:{self.port} is closed")
+            if self._idle:
+                return self._idle.pop()
+            self._count += 1
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
+        except OSError as exc:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise TransferError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+        _tune(sock)
+        _set_deadline(sock, self._io_timeout_s)
+        return sock
+
+    def put(self, sock: socket.socket, healthy: bool) -> None:
+        with self._cond:
+            if healthy and not self._closed:
+                self._idle.append(sock)
+            else:
+                self._count -= 1
+                sock.close()
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for s in self._idle:
+                s.close()
+            self._count -= len(self._idle)
+            self._idle.clear()
+            self._cond.notify_all()
+
+
+class TcpTransport(Transport):
+    """Initiator side of tcp: one connection pool per peer, one slice per borrowed connection."""
+
+    name = "tcp"
+
+    def __init__(self, connections_per_peer: int = 4, connect_timeout_s: float = 5.0,
+                 transfer_timeout_s: float = 30.0) -> None:
+        self._limit = connections_per_peer
+        self._connect_timeout_s = connect_timeout_s
+        self._transfer_timeout_s = transfer_timeout_s
+        self._pools: dict[tuple[str, int], _Pool] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def supports(self, peer: "Peer") -> bool:
+        return True
+
+    def _pool(self, host: str, port: int) -> _Pool:
+        with self._lock:
+            pool = self._pools.get((host, port))
+            if pool is None:
+                pool = self._pools[(host, port)] = _Pool(host, port, self._limit,
+                                                          self._connect_timeout_s,
+                                                          self._transfer_timeout_s)
+            return pool
+
+    def execute(self, peer: "Peer", op: int, local_address: int, remote_address: int,
+                nbytes: int) -> None:
+        desc = peer.descriptor
+        self.request(desc.host, desc.port, op, local_address, remote_address, nbytes)
+
+    def request(self, host: str, port: int, op: int, local_address: int, remote_address: int,
+                nbytes: int) -> None:
+        """One READ or WRITE frame exchange on a pooled connection to ``host:port``."""
+        pool = self._pool(host, port)
+        sock = pool.get()
+        healthy = False
+        rid = next(self._ids)
+        try:
+            fd = sock.fileno()
+            if op == OP_WRITE:
+                io.send_frame(fd, protocol.encode_request(protocol.OP_WRITE, rid, remote_address,
+                                                          nbytes), local_address, nbytes)
+                status, n = protocol.decode_response(io.recv_exact(fd, protocol.RESPONSE.size),
+                                                     rid, 0)
+            else:
+                io.send_frame(fd, protocol.encode_request(protocol.OP_READ, rid, remote_address,
+                                                          nbytes), 0, 0)
+                status, n = protocol.decode_response(io.recv_exact(fd, protocol.RESPONSE.size),
+                                                     rid, nbytes)
+                if status == 0:
+                    io.recv_into_address(fd, local_address, nbytes)
+            if status != 0:
+                text = io.recv_exact(fd, n).decode("utf-8", "replace")
+                healthy = True
+                raise from_code(status, f"peer {host}:{port} refused the request: {text}")
+            healthy = True
+        except MooncakeError:
+            raise
+        except (OSError, ConnectionError) as exc:
+            raise TransferError(f"transfer with {host}:{port} failed: {exc!r}") from exc
+        finally:
+            pool.put(sock, healthy)
+
+    def control(self, host: str, port: int, cmd: str, **fields: Any) -> bytes:
+        """Send a control command to ``host:port`` and return the reply payload."""
+        payload = protocol.encode_control(cmd, **fields)
+        pool = self._pool(host, port)
+        sock = pool.get()
+        healthy = False
+        rid = next(self._ids)
+        try:
+            fd = sock.fileno()
+            header = protocol.encode_request(protocol.OP_CONTROL, rid, 0, 0, len(payload))
+            io.send_frame(fd, header + payload, 0, 0)
+            magic, status, got, n = protocol.RESPONSE.unpack(io.recv_exact(fd, protocol.RESPONSE.size))
+            if magic != protocol.MAGIC or got != rid or n > protocol.MAX_CONTROL_NBYTES * 16:
+                raise ProtocolError(f"bad control response from {host}:{port}")
+            body = io.recv_exact(fd, n)
+            healthy = True
+            if status != 0:
+                raise from_code(status, f"{host}:{port}: {body.decode('utf-8', 'replace')}")
+            return body
+        except MooncakeError:
+            raise
+        except OSError as exc:
+            raise TransferError(f"control {cmd!r} to {host}:{port} failed: {exc!r}") from exc
+        finally:
+            pool.put(sock, healthy)
+
+    def forget(self, peer: "Peer") -> None:
+        with self._lock:
+            pool = self._pools.pop((peer.descriptor.host, peer.descriptor.port), None)
+        if pool:
+            pool.close()
+
+    def close(self) -> None:
+        with self._lock:
+            pools = list(self._pools.values())
+            self._pools.clear()
+        for p in pools:
+            p.close()

@@ -1,0 +1,61 @@
+# cython: language_level=3, embedsignature=True
+"""Any buffer -> (address, nbytes), and raw memory -> memoryview.
+
+``Export`` holds a ``Py_buffer`` of the object for as long as the memory is registered,
+so a ``bytearray`` cannot be resized (and its memory moved) under a peer's transfer.
+"""
+
+from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_ANY_CONTIGUOUS,
+                             PyBUF_WRITABLE, PyBUF_SIMPLE)
+from cpython.memoryview cimport PyMemoryView_FromMemory
+from libc.stdint cimport uintptr_t
+from libc.string cimport memcpy
+
+cdef extern from "Python.h":
+    int PyBUF_READ
+    int PyBUF_WRITE
+
+
+cdef class Export:
+    """A held buffer export of ``obj``: ``address`` and ``nbytes`` stay valid until ``release()``."""
+
+    cdef Py_buffer view
+    cdef bint held
+    cdef readonly bint readonly
+
+    def __cinit__(self, obj, bint writable=False):
+        cdef int flags = PyBUF_ANY_CONTIGUOUS | (PyBUF_WRITABLE if writable else PyBUF_SIMPLE)
+        PyObject_GetBuffer(obj, &self.view, flags)
+        self.held = True
+        self.readonly = self.view.readonly
+
+    @property
+    def address(self) -> int:
+        return <uintptr_t>self.view.buf
+
+    @property
+    def nbytes(self) -> int:
+        return self.view.len
+
+    def release(self) -> None:
+        """Give the export back; the object may be resized or freed afterwards."""
+        if self.held:
+            self.held = False
+            PyBuffer_Release(&self.view)
+
+    def __dealloc__(self):
+        if self.held:
+            PyBuffer_Release(&self.view)
+
+
+def view(uintptr_t address, Py_ssize_t nbytes, bint readonly=False):
+    """Return a memoryview over ``nbytes`` of raw memory at ``address`` (caller checked bounds)."""
+    if nbytes < 0:
+        raise ValueError("nbytes must be >= 0")
+    return PyMemoryView_FromMemory(<char *>address, nbytes, PyBUF_READ if readonly else PyBUF_WRITE)
+
+
+def copy(uintptr_t dst, uintptr_t src, size_t nbytes) -> None:
+    """memcpy ``nbytes`` from ``src`` to ``dst`` without the GIL (caller checked bounds)."""
+    with nogil:
+        memcpy(<void *>dst, <const void *>src, nbytes)

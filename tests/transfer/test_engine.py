@@ -1,0 +1,180 @@
+"""Two engines in one process: data paths, batches, slicing and bounds, over each transport."""
+
+import hashlib
+import os
+import random
+
+import numpy as np
+import pytest
+
+from mooncake_plugins.config import EngineConfig
+from mooncake_plugins.errors import (AddressError, InvalidArgument, RegionBusy, SegmentNotFound,
+                                     TransferError)
+from mooncake_plugins.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
+
+TRANSPORTS = {"tcp": ["tcp"], "shm": ["shm", "tcp"]}
+
+
+@pytest.fixture(params=sorted(TRANSPORTS))
+def pair(request):
+    cfg = lambda: EngineConfig(transports=TRANSPORTS[request.param], slice_nbytes=64 << 10)
+    a, b = TransferEngine(config=cfg()), TransferEngine(config=cfg())
+    yield a, b
+    a.close()
+    b.close()
+
+
+def fill(view, seed):
+    view[:] = random.Random(seed).randbytes(len(view))
+
+
+def test_write_then_read_back(pair):
+    a, b = pair
+    n = 3 * (1 << 20) + 12345  # not a multiple of the slice size
+    src, dst = a.allocate(n), b.allocate(n)
+    fill(src.view(), 1)
+    a.write(b.segment_name, src.address, dst.address, n)
+    assert hashlib.sha256(dst.view()).digest() == hashlib.sha256(src.view()).digest()
+    back = bytearray(n)
+    region = a.register(back)
+    a.read(b.segment_name, region.address, dst.address, n)
+    assert back == bytes(src.view())
+
+
+def test_plain_memory_both_sides(pair):
+    a, b = pair
+    src = np.arange(1 << 18, dtype=np.uint32)
+    dst = np.zeros_like(src)
+    ra, rb = a.register(src), b.register(dst)
+    a.write(b.segment_name, ra.address, rb.address, src.nbytes)
+    assert np.array_equal(src, dst)
+
+
+def test_batch_of_many_small_requests(pair):
+    a, b = pair
+    src, dst = a.allocate(1 << 20), b.allocate(1 << 20)
+    fill(src.view(), 2)
+    reqs = [TransferRequest(OpCode.WRITE, src.address + i * 4096, dst.address + (255 - i) * 4096, 4096)
+            for i in range(256)]
+    batch = a.submit(b.segment_name, reqs)
+    batch.wait(30)
+    assert batch.status() == TransferStatus.COMPLETED
+    assert all(batch.request_status(i) == TransferStatus.COMPLETED for i in range(256))
+    s, d = src.view(), dst.view()
+    for i in (0, 17, 255):
+        assert d[(255 - i) * 4096:(256 - i) * 4096] == s[i * 4096:(i + 1) * 4096]
+
+
+def test_empty_batch_completes(pair):
+    a, b = pair
+    batch = a.submit(b.segment_name, [])
+    batch.wait(1)
+    assert batch.status() == TransferStatus.COMPLETED
+
+
+def test_remote_out_of_bounds_refused_and_target_survives(pair):
+    a, b = pair
+    src, dst = a.allocate(1 << 16), b.allocate(1 << 16)
+    for remote, n in ((dst.address + 1, 1 << 16), (dst.address - 4096, 4096), (8, 8)):
+        with pytest.raises(AddressError):
+            a.write(b.segment_name, src.address, remote, n)
+        with pytest.raises(AddressError):
+            a.read(b.segment_name, src.address, remote, n)
+    a.write(b.segment_name, src.address, dst.address, 1 << 16)  # still serving
+
+
+def test_local_memory_must_be_registered(pair):
+    a, b = pair
+    dst = b.allocate(4096)
+    stray = bytearray(4096)
+    addr = a.register(stray).address
+    a.unregister(addr)
+    with pytest.raises(AddressError):
+        a.write(b.segment_name, addr, dst.address, 4096)
+
+
+def test_read_only_registration(pair):
+    a, b = pair
+    data = bytes(range(256)) * 16
+    ro = b.register(data)  # peers may read it, not write it
+    into = a.allocate(len(data))
+    a.read(b.segment_name, into.address, ro.address, len(data))
+    assert bytes(into.view()) == data
+    with pytest.raises(AddressError):
+        a.write(b.segment_name, into.address, ro.address, len(data))
+    own_ro = a.register(b"x" * 4096)
+    with pytest.raises(AddressError):
+        a.read(b.segment_name, own_ro.address, ro.address, 4096)
+
+
+def test_unregister_while_in_flight_is_refused(pair):
+    a, b = pair
+    buf = bytearray(1 << 16)
+    region = a.register(buf)
+    held = a._regions.acquire(region.address, 10)
+    with pytest.raises(RegionBusy):
+        a.unregister(region)
+    a._regions.release(held)
+    a.unregister(region)
+    buf.extend(b"ok")  # the export is released: the bytearray may be resized again
+
+
+def test_registered_bytearray_cannot_be_resized(pair):
+    a, _ = pair
+    buf = bytearray(100)
+    a.register(buf)
+    with pytest.raises(BufferError):
+        buf.extend(b"x")
+
+
+def test_bad_inputs(pair):
+    a, b = pair
+    with pytest.raises(InvalidArgument):
+        a.allocate(0)
+    with pytest.raises(InvalidArgument):
+        TransferRequest("write", 1, 2, 3)
+    with pytest.raises(InvalidArgument):
+        TransferRequest(OpCode.WRITE, -1, 2, 3)
+    with pytest.raises(InvalidArgument):
+        a.register_address(4096, 0)
+    with pytest.raises(InvalidArgument):
+        a.unregister(12345)
+    with pytest.raises(InvalidArgument):
+        a.register(object())
+    with pytest.raises(InvalidArgument):
+        a.open_segment("no-port-here")
+    with pytest.raises(SegmentNotFound):
+        a.open_segment("127.0.0.1:1")
+
+
+def test_notify(pair):
+    a, b = pair
+    a.notify(b.segment_name, "req-1", "done")
+    assert b.take_notifies() == [("req-1", "done")]
+    assert b.take_notifies() == []
+
+
+def test_peer_registers_later_is_seen(pair):
+    a, b = pair
+    first = b.allocate(4096)
+    src = a.allocate(8192)
+    a.write(b.segment_name, src.address, first.address, 4096)  # caches b's descriptor
+    later = b.allocate(8192)
+    a.write(b.segment_name, src.address, later.address, 8192)
+
+
+def test_freed_peer_region_is_refused(pair):
+    a, b = pair
+    src = a.allocate(4096)
+    gone = b.allocate(4096)
+    a.write(b.segment_name, src.address, gone.address, 4096)
+    b.free(gone)
+    with pytest.raises(AddressError):
+        a.write(b.segment_name, src.address, gone.address, 4096)
+
+
+def test_closed_engine_rejects_use():
+    e = TransferEngine(config=EngineConfig(transports=["tcp"]))
+    e.close()
+    with pytest.raises(InvalidArgument):
+        e.allocate(10)
