@@ -1,7 +1,8 @@
 """A transfer-engine peer in its own process, driven over stdin/stdout by the tests.
 
 Prints ``READY <json>`` (segment name, rpc port, buffer address and size) once serving,
-then answers one line per command: ``sha`` (sha256 of the buffer), ``fill <seed>``
+then answers one line per command: ``sha`` (sha256 of the buffer), ``stats`` (bytes
+served, JSON), ``fill <seed>``
 (deterministic bytes), ``write <segment> <remote_address> <nbytes>`` and
 ``read <segment> <remote_address> <nbytes>`` (from/into the start of its own buffer),
 ``quit``.
@@ -51,6 +52,8 @@ def main() -> None:
         try:
             if cmd[0] == "sha":
                 print(hashlib.sha256(view).hexdigest(), flush=True)
+            elif cmd[0] == "stats":
+                print(json.dumps(engine.stats), flush=True)
             elif cmd[0] == "fill":
                 view[:] = pattern(int(cmd[1]), args.nbytes)
                 print("ok", flush=True)

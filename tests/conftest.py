@@ -1,0 +1,169 @@
+"""Shared service fixtures: real etcd and redis-server processes, the embedded metadata server.
+
+Servers run as child processes in their own session on free loopback ports, with data in
+a fresh temp dir; readiness is polled, never slept for. Everything is terminated and
+removed in ``finally``. A missing binary skips the tests that need it, or fails them
+when ``MOONCAKE_CI=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import pytest
+from helpers import free_port, terminate_group, wait_until
+
+from mooncake_plugins.transfer.metadata import MetadataServer
+
+# Room for the metadata store's 16 MiB values plus request overhead (etcd's default is 1.5 MiB).
+_ETCD_MAX_REQUEST_BYTES = 20 * 1024 * 1024
+_START_TIMEOUT_S = 30.0
+_PORT_ATTEMPTS = 3  # a free port can be taken by someone else before the server binds it
+
+
+def _require_binary(name: str, package: str) -> str:
+    """Return the path of ``name``, or skip (fail under MOONCAKE_CI=1) when it is missing."""
+    path = shutil.which(name)
+    if path is None:
+        reason = (f"{name} not found on PATH; install the Debian package {package} "
+                  f"(apt-get install -y --no-install-recommends {package})")
+        if os.environ.get("MOONCAKE_CI") == "1":
+            pytest.fail(f"MOONCAKE_CI=1 and {reason}", pytrace=False)
+        pytest.skip(reason)
+    return path
+
+
+def _two_free_ports() -> tuple[int, int]:
+    first = free_port()
+    second = free_port()
+    while second == first:
+        second = free_port()
+    return first, second
+
+
+def _tail(path: str, nbytes: int = 4000) -> str:
+    with open(path, "rb") as log:
+        return log.read()[-nbytes:].decode("utf-8", "replace")
+
+
+def _etcd_healthy(client_url: str) -> bool:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"{client_url}/health", timeout=1.0) as response:
+            return bool(json.loads(response.read()).get("health") == "true")
+    except (OSError, ValueError):
+        return False
+
+
+def _redis_pongs(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+_Attempt = tuple[list[str], Callable[[], bool], str]
+
+
+def _wait_started(proc: subprocess.Popen[bytes], ready: Callable[[], bool]) -> bool:
+    """Wait until ``ready()`` or until ``proc`` exits; True when it runs and is ready."""
+    try:
+        up = wait_until(lambda: proc.poll() is not None or ready(), _START_TIMEOUT_S,
+                        interval_s=0.05)
+    except BaseException:
+        terminate_group(proc)
+        raise
+    return up and proc.poll() is None
+
+
+def _start_until_ready(name: str, make_attempt: Callable[[int], _Attempt],
+                       log_path: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a server until one attempt becomes ready; fail the test otherwise.
+
+    Args:
+        make_attempt: attempt number -> (argv on fresh ports, readiness probe, URL).
+
+    Returns:
+        (the ready server process, its URL).
+    """
+    for attempt in range(_PORT_ATTEMPTS):
+        cmd, ready, url = make_attempt(attempt)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        if _wait_started(proc, ready):
+            return proc, url
+        terminate_group(proc)
+    pytest.fail(f"{name} did not become ready in {_PORT_ATTEMPTS} attempts; log tail:\n"
+                f"{_tail(log_path)}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[str]:
+    """A real single-member etcd; yields its client URL ``http://127.0.0.1:<port>``.
+
+    The metadata URL for it is ``etcd://127.0.0.1:<port>``. ``--max-request-bytes`` is
+    raised to 20 MiB so 16 MiB metadata values fit.
+    """
+    binary = _require_binary("etcd", "etcd-server")
+    workdir = tempfile.mkdtemp(prefix="mooncake-etcd-")
+
+    def make_attempt(attempt: int) -> _Attempt:
+        client_port, peer_port = _two_free_ports()
+        client_url = f"http://127.0.0.1:{client_port}"
+        peer_url = f"http://127.0.0.1:{peer_port}"
+        cmd = [binary, "--name", "test", "--data-dir", os.path.join(workdir, f"data{attempt}"),
+               "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+               "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+               "--initial-cluster", f"test={peer_url}",
+               "--max-request-bytes", str(_ETCD_MAX_REQUEST_BYTES),
+               "--logger", "zap", "--log-outputs", "stderr"]
+        return cmd, lambda: _etcd_healthy(client_url), client_url
+
+    proc = None
+    try:
+        proc, url = _start_until_ready("etcd", make_attempt, os.path.join(workdir, "etcd.log"))
+        yield url
+    finally:
+        if proc is not None:
+            terminate_group(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    """A real redis-server without persistence; yields ``redis://127.0.0.1:<port>``."""
+    binary = _require_binary("redis-server", "redis-server")
+    workdir = tempfile.mkdtemp(prefix="mooncake-redis-")
+
+    def make_attempt(attempt: int) -> _Attempt:
+        port = free_port()
+        cmd = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+               "--appendonly", "no", "--daemonize", "no", "--dir", workdir]
+        return cmd, lambda: _redis_pongs(port), f"redis://127.0.0.1:{port}"
+
+    proc = None
+    try:
+        proc, url = _start_until_ready("redis-server", make_attempt,
+                                       os.path.join(workdir, "redis.log"))
+        yield url
+    finally:
+        if proc is not None:
+            terminate_group(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def metadata_server() -> Iterator[MetadataServer]:
+    """An embedded HTTP metadata server on a free loopback port (``.url``, ``.port``)."""
+    with MetadataServer() as server:
+        yield server

@@ -1,0 +1,153 @@
+"""Test helpers: readiness waits, free ports and child process groups.
+
+Children are started in their own session (process group) so that
+:func:`terminate_group` ends them together with anything they spawned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO
+
+_log = logging.getLogger(__name__)
+
+_READY = re.compile(rb"^READY (\d+)\s*$")
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float,
+               interval_s: float = 0.01) -> bool:
+    """Poll ``predicate`` until it returns something truthy or ``timeout_s`` passes.
+
+    Returns:
+        True when the predicate held before the deadline, else False (one last try
+        is made at the deadline).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(interval_s, remaining))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that was free on ``host`` a moment ago (the kernel picked it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def terminate_group(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int:
+    """SIGTERM ``proc``'s process group, wait up to ``timeout_s``, then SIGKILL it.
+
+    ``proc`` must have been started with ``start_new_session=True``. The group is only
+    signalled while ``proc`` is unreaped, so its pid cannot have been reused.
+
+    Returns:
+        The exit status of ``proc`` (negative: killed by that signal).
+    """
+    try:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _log.warning("pid %d ignored SIGTERM for %.1f s; killing its group",
+                             proc.pid, timeout_s)
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait(timeout=timeout_s)
+        return int(proc.returncode)
+    finally:
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the whole group is already gone
+        os.killpg(proc.pid, signum)
+
+
+def spawn_ready(cmd: Sequence[str], timeout_s: float,
+                env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """Start ``cmd`` in a new session and wait for its ``READY <port>`` stdout line.
+
+    Lines before READY are ignored; after READY a daemon thread drains stdout so the
+    child never blocks on a full pipe (``proc.stdout`` is then None). The child's
+    stderr goes to an unnamed temp file.
+
+    Args:
+        cmd: the argv to run.
+        timeout_s: how long the child may take to print READY.
+        env: the child's environment (default: inherit ours).
+
+    Returns:
+        (the running child, the port it printed).
+
+    Raises:
+        RuntimeError: the child exited or stayed silent past the deadline; the child
+            has been terminated and the message includes its stderr.
+    """
+    with tempfile.TemporaryFile() as stderr:
+        proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=stderr, env=None if env is None else dict(env),
+                                start_new_session=True)
+        try:
+            port = _read_ready(proc, timeout_s)
+        except (TimeoutError, EOFError) as exc:
+            status = terminate_group(proc)
+            stderr.seek(0)
+            text = stderr.read()[-4000:].decode("utf-8", "replace")
+            raise RuntimeError(f"{' '.join(cmd)}: {exc} (exit status {status}); "
+                               f"stderr:\n{text}") from None
+        except BaseException:
+            terminate_group(proc)
+            raise
+    # The drain thread owns stdout from now on and closes it at EOF.
+    stdout, proc.stdout = proc.stdout, None
+    threading.Thread(target=_drain, args=(stdout, proc.pid),
+                     name=f"drain-{proc.pid}", daemon=True).start()
+    return proc, port
+
+
+def _read_ready(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """Read ``proc``'s stdout line by line until ``READY <port>``, with a deadline."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout_s
+    pending = b""
+    while True:
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            match = _READY.match(line)
+            if match:
+                return int(match.group(1))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no READY line within {timeout_s} s")
+        readable, _, _ = select.select([fd], [], [], remaining)
+        if readable:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise EOFError("exited before printing READY")
+            pending += chunk
+
+
+def _drain(stream: IO[bytes], pid: int) -> None:
+    """Discard a child's remaining stdout (logged at debug level), then close it at EOF."""
+    with stream:
+        for line in stream:
+            _log.debug("pid %d stdout: %r", pid, line)

@@ -1,0 +1,512 @@
+"""Metadata service: one suite over the HTTP, etcd and Redis backends, URL parsing,
+HTTP server robustness, unreachable servers and the metadata server CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from helpers import spawn_ready, terminate_group
+
+from mooncake_plugins.errors import InvalidArgument, MetadataError
+from mooncake_plugins.transfer.metadata import MetadataServer, MetadataStore, from_url
+from mooncake_plugins.transfer.metadata.base import (
+    MAX_KEY_NBYTES,
+    MAX_VALUE_NBYTES,
+    parse_url,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _etcd_metadata_url(client_url: str) -> str:
+    return f"etcd://{urlsplit(client_url).netloc}"
+
+
+@pytest.fixture(params=[
+    pytest.param("http", id="http"),
+    pytest.param("etcd", id="etcd", marks=pytest.mark.etcd),
+    pytest.param("redis", id="redis", marks=pytest.mark.redis),
+])
+def store(request: pytest.FixtureRequest) -> Iterator[MetadataStore]:
+    """A store on a real server of each backend."""
+    if request.param == "http":
+        url = request.getfixturevalue("metadata_server").url
+    elif request.param == "etcd":
+        url = _etcd_metadata_url(request.getfixturevalue("etcd_server"))
+    else:
+        url = request.getfixturevalue("redis_server")
+    opened = _open(url)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def key() -> str:
+    """A key no other test uses (the etcd and Redis servers are shared by the session)."""
+    return f"mooncake/test/{uuid.uuid4().hex}"
+
+
+def _open(url: str, timeout_s: float = 5.0) -> MetadataStore:
+    store = from_url(url, timeout_s)
+    assert store is not None
+    return store
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# The same suite on every backend
+# ---------------------------------------------------------------------------------------
+
+def test_put_then_get_returns_the_value(store: MetadataStore, key: str) -> None:
+    store.put(key, b'{"name": "node0:12345", "buffers": []}')
+    assert store.get(key) == b'{"name": "node0:12345", "buffers": []}'
+
+
+def test_get_missing_key_returns_none(store: MetadataStore, key: str) -> None:
+    assert store.get(key) is None
+
+
+def test_put_overwrites(store: MetadataStore, key: str) -> None:
+    store.put(key, b"first, longer value")
+    store.put(key, b"second")
+    assert store.get(key) == b"second"
+
+
+def test_delete_removes_the_key(store: MetadataStore, key: str) -> None:
+    store.put(key, b"value")
+    store.delete(key)
+    assert store.get(key) is None
+
+
+def test_delete_missing_key_is_not_an_error(store: MetadataStore, key: str) -> None:
+    store.delete(key)
+    store.delete(key)
+    assert store.get(key) is None
+
+
+@pytest.mark.parametrize("value", [b"", bytes(range(256)) * 4, b"\0" * 100, b"\r\n\r\n"],
+                         ids=["empty", "all-bytes", "nuls", "crlf"])
+def test_binary_values_roundtrip(store: MetadataStore, key: str, value: bytes) -> None:
+    store.put(key, value)
+    assert store.get(key) == value
+
+
+def test_largest_value_roundtrips(store: MetadataStore, key: str) -> None:
+    value = os.urandom(MAX_VALUE_NBYTES)
+    store.put(key, value)
+    got = store.get(key)
+    assert got is not None and len(got) == MAX_VALUE_NBYTES
+    assert _digest(got) == _digest(value)
+    store.delete(key)
+
+
+@pytest.mark.parametrize("suffix", [
+    "/segment/ключ/🙂", "a b+c&d=e?f#g%h", "%20%2F", "node0:12345",
+])
+def test_unusual_keys_are_stored_exactly(store: MetadataStore, key: str, suffix: str) -> None:
+    store.put(key + suffix, suffix.encode())
+    store.put(key, b"plain")
+    assert store.get(key + suffix) == suffix.encode()
+    assert store.get(key) == b"plain"
+
+
+def test_longest_key_is_accepted(store: MetadataStore, key: str) -> None:
+    long_key = key + "k" * (MAX_KEY_NBYTES - len(key))
+    store.put(long_key, b"v")
+    assert store.get(long_key) == b"v"
+    store.delete(long_key)
+    assert store.get(long_key) is None
+
+
+def test_keys_sharing_a_prefix_are_independent(store: MetadataStore, key: str) -> None:
+    store.put(key, b"parent")
+    store.put(key + "/child", b"child")
+    store.delete(key)
+    assert store.get(key + "/child") == b"child"
+    assert store.get(key) is None
+
+
+@pytest.mark.parametrize("bad_key", [
+    "", "a\0b", "k" * (MAX_KEY_NBYTES + 1), "é" * (MAX_KEY_NBYTES // 2 + 1), "\ud800",
+    b"bytes-key", None, 42,
+], ids=["empty", "nul", "too-long", "too-long-utf8", "surrogate", "bytes", "none", "int"])
+def test_bad_keys_are_rejected(store: MetadataStore, bad_key: object) -> None:
+    with pytest.raises(InvalidArgument):
+        store.put(bad_key, b"v")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        store.get(bad_key)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        store.delete(bad_key)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad_value", [
+    "text", bytearray(b"v"), memoryview(b"v"), None, b"x" * (MAX_VALUE_NBYTES + 1),
+], ids=["str", "bytearray", "memoryview", "none", "too-large"])
+def test_bad_values_are_rejected(store: MetadataStore, key: str, bad_value: object) -> None:
+    with pytest.raises(InvalidArgument):
+        store.put(key, bad_value)  # type: ignore[arg-type]
+    assert store.get(key) is None
+
+
+def test_concurrent_puts_from_threads(store: MetadataStore, key: str) -> None:
+    errors: list[BaseException] = []
+
+    def writer(thread_id: int) -> None:
+        try:
+            for i in range(20):
+                store.put(f"{key}/{thread_id}/{i}", f"{thread_id}:{i}".encode())
+        except BaseException as exc:  # reported by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    for t in range(4):
+        for i in range(20):
+            assert store.get(f"{key}/{t}/{i}") == f"{t}:{i}".encode()
+
+
+def test_closed_store_raises(store: MetadataStore, key: str) -> None:
+    store.close()
+    store.close()
+    assert store.closed
+    with pytest.raises(MetadataError, match="closed"):
+        store.get(key)
+    with pytest.raises(MetadataError, match="closed"):
+        store.put(key, b"v")
+
+
+# ---------------------------------------------------------------------------------------
+# Backend specifics: keys land under the exact name given
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.etcd
+def test_etcd_stores_under_the_exact_key(etcd_server: str, key: str) -> None:
+    import etcd3gw
+
+    full_key = key + "/ключ"
+    with _open(_etcd_metadata_url(etcd_server)) as store:
+        store.put(full_key, b"\x00descriptor")
+    host, _, port = urlsplit(etcd_server).netloc.rpartition(":")
+    raw = etcd3gw.Etcd3Client(host=host, port=int(port))
+    try:
+        assert raw.get(full_key.encode("utf-8")) == [b"\x00descriptor"]
+        raw.delete(full_key.encode("utf-8"))
+    finally:
+        raw.session.close()
+
+
+@pytest.mark.redis
+def test_redis_stores_under_the_exact_key_in_the_chosen_db(redis_server: str, key: str) -> None:
+    import redis
+
+    with _open(redis_server + "/3") as store:
+        store.put(key, b"in db 3")
+    raw3 = redis.Redis.from_url(redis_server + "/3")
+    raw0 = redis.Redis.from_url(redis_server + "/0")
+    try:
+        assert raw3.get(key) == b"in db 3"
+        assert raw0.get(key) is None
+        raw3.delete(key)
+    finally:
+        raw3.close()
+        raw0.close()
+
+
+# ---------------------------------------------------------------------------------------
+# from_url parsing (no server is contacted: stores connect on first use)
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("url, scheme, host, port, extra", [
+    ("http://127.0.0.1:8080/metadata", "http", "127.0.0.1", 8080, "/metadata"),
+    ("https://meta.example:8443/metadata", "https", "meta.example", 8443, "/metadata"),
+    ("http://meta.example/metadata", "http", "meta.example", 80, "/metadata"),
+    ("etcd://10.0.0.1:2379", "etcd", "10.0.0.1", 2379, None),
+    ("etcd://etcd.local", "etcd", "etcd.local", 2379, None),
+    ("10.0.0.1:2379", "etcd", "10.0.0.1", 2379, None),
+    ("localhost:12379", "etcd", "localhost", 12379, None),
+    ("[::1]:2379", "etcd", "::1", 2379, None),
+    ("redis://10.0.0.2:6379", "redis", "10.0.0.2", 6379, 0),
+    ("redis://10.0.0.2:6380/5", "redis", "10.0.0.2", 6380, 5),
+    ("redis://cache", "redis", "cache", 6379, 0),
+])
+def test_parse_url_accepts_the_original_forms(url: str, scheme: str, host: str, port: int,
+                                              extra: object) -> None:
+    target = parse_url(url)
+    assert target is not None
+    assert (target.scheme, target.host, target.port) == (scheme, host, port)
+    if scheme.startswith("http"):
+        assert target.path == extra
+    if scheme == "redis":
+        assert target.db == extra
+
+
+@pytest.mark.parametrize("url, cls_name", [
+    ("http://127.0.0.1:8080/metadata", "HttpMetadataStore"),
+    ("etcd://127.0.0.1:2379", "EtcdMetadataStore"),
+    ("127.0.0.1:2379", "EtcdMetadataStore"),
+    ("redis://127.0.0.1:6379/1", "RedisMetadataStore"),
+])
+def test_from_url_picks_the_backend(url: str, cls_name: str) -> None:
+    store = from_url(url)
+    assert store is not None
+    try:
+        assert type(store).__name__ == cls_name
+        assert store.url == url
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("url", ["P2PHANDSHAKE", " P2PHANDSHAKE\n"])
+def test_p2p_handshake_means_no_store(url: str) -> None:
+    assert from_url(url) is None
+
+
+@pytest.mark.parametrize("url", [
+    "", "   ", "ftp://h:21", "p2phandshake", "localhost", "etcd://:2379", "http:///metadata",
+    "http://h:99999/metadata", "http://h:0/metadata", "host:notaport", "[::1",
+    "etcd://h:2379/path", "redis://h:6379/abc", "redis://user:pw@h:6379",
+    "http://h:8080/metadata?key=x", "etcd://h1:2379;h2:2379",
+])
+def test_bad_urls_list_the_accepted_forms(url: str) -> None:
+    with pytest.raises(InvalidArgument, match="accepted forms") as info:
+        from_url(url)
+    assert "P2PHANDSHAKE" in str(info.value) and "redis://" in str(info.value)
+
+
+def test_non_str_url_and_bad_timeout_are_rejected() -> None:
+    with pytest.raises(InvalidArgument, match="accepted forms"):
+        from_url(b"etcd://h:2379")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="timeout_s"):
+        from_url("etcd://h:2379", timeout_s=0)
+
+
+def test_backends_are_imported_only_when_used() -> None:
+    code = (
+        "import sys\n"
+        "from mooncake_plugins.transfer.metadata import from_url\n"
+        "from_url('http://127.0.0.1:1/metadata').close()\n"
+        "assert 'etcd3gw' not in sys.modules and 'redis' not in sys.modules, sys.modules\n"
+        "from_url('redis://127.0.0.1:1').close()\n"
+        "assert 'redis' in sys.modules and 'etcd3gw' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env=_child_env())
+    assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Unreachable servers
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def dead_port() -> Iterator[int]:
+    """A loopback port that is bound (so nobody else takes it) but refuses connections."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("template", [
+    "http://127.0.0.1:{port}/metadata", "etcd://127.0.0.1:{port}", "127.0.0.1:{port}",
+    "redis://127.0.0.1:{port}",
+])
+def test_unreachable_server_raises_metadata_error_naming_the_url(dead_port: int,
+                                                                 template: str) -> None:
+    url = template.format(port=dead_port)
+    store = _open(url, timeout_s=2.0)
+    try:
+        with pytest.raises(MetadataError) as put_info:
+            store.put("k", b"v")
+        with pytest.raises(MetadataError) as get_info:
+            store.get("k")
+        with pytest.raises(MetadataError) as delete_info:
+            store.delete("k")
+        for info in (put_info, get_info, delete_info):
+            assert url in str(info.value)
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------------------
+# HTTP server: protocol and robustness
+# ---------------------------------------------------------------------------------------
+
+def _exchange(port: int, data: bytes, shut_write: bool = False) -> bytes:
+    """Send raw bytes and read the reply until the server closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        if shut_write:
+            sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _status(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1])
+
+
+def _assert_still_serving(server: MetadataServer) -> None:
+    with _open(server.url) as store:
+        store.put("alive", b"yes")
+        assert store.get("alive") == b"yes"
+
+
+def test_http_protocol_matches_the_original(metadata_server: MetadataServer) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", metadata_server.port, timeout=10)
+    try:
+        conn.request("GET", "/metadata?key=seg%2F0")
+        response = conn.getresponse()
+        assert (response.status, response.read()) == (404, b"metadata not found")
+        conn.request("PUT", "/metadata?key=seg%2F0", body=b"\x01\x02descriptor")
+        response = conn.getresponse()
+        assert response.status == 200
+        response.read()
+        conn.request("GET", "/metadata?key=seg/0")  # same key, and the connection is reused
+        response = conn.getresponse()
+        assert (response.status, response.read()) == (200, b"\x01\x02descriptor")
+        conn.request("DELETE", "/metadata?key=seg%2F0")
+        response = conn.getresponse()
+        assert response.status == 200
+        response.read()
+        conn.request("DELETE", "/metadata?key=seg%2F0")
+        assert conn.getresponse().status == 404
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"\x00\xff\xfe garbage \x01\r\n\r\n", 400),
+    (b"GET /metadata HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /metadata?key= HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /metadata?other=1 HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /metadata?key=%ff%fe HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /metadata?key=a%00b HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /other?key=a HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    (b"POST /metadata?key=a HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx", 405),
+    (b"PATCH /metadata?key=a HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+    (b"BREW /metadata?key=a HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+    (b"PUT /metadata?key=a HTTP/1.1\r\nHost: x\r\n\r\n", 411),
+    (b"PUT /metadata?key=a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"1\r\nx\r\n0\r\n\r\n", 411),
+    (b"PUT /metadata?key=a HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
+    (b"PUT /metadata?key=a HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400),
+    (b"PUT /metadata?key=a HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n"
+     b"Content-Length: 2\r\n\r\nxy", 400),
+    (b"PUT /metadata?key=a HTTP/1.1\r\nHost: x\r\nContent-Length: "
+     + str(MAX_VALUE_NBYTES + 1).encode() + b"\r\n\r\n", 413),
+    (b"PUT /metadata?key=a HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999999999\r\n\r\n",
+     413),
+], ids=["garbage", "no-key", "empty-key", "other-param", "non-utf8-key", "nul-key",
+        "other-path", "post", "patch", "unknown-method", "no-length", "chunked",
+        "length-not-a-number", "negative-length", "two-lengths", "over-16MiB", "huge-length"])
+def test_http_server_answers_bad_requests_with_4xx(metadata_server: MetadataServer,
+                                                   request_bytes: bytes, status: int) -> None:
+    reply = _exchange(metadata_server.port, request_bytes)
+    assert _status(reply) == status, reply[:200]
+    assert b"Connection: close" in reply
+    with _open(metadata_server.url) as store:
+        assert store.get("a") is None
+    _assert_still_serving(metadata_server)
+
+
+def test_http_server_head_gets_405_without_body(metadata_server: MetadataServer) -> None:
+    reply = _exchange(metadata_server.port, b"HEAD /metadata?key=a HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _status(reply) == 405
+    assert reply.endswith(b"\r\n\r\n")
+
+
+def test_http_server_drops_a_truncated_body(metadata_server: MetadataServer) -> None:
+    reply = _exchange(metadata_server.port,
+                      b"PUT /metadata?key=a HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc",
+                      shut_write=True)
+    assert reply == b""
+    with _open(metadata_server.url) as store:
+        assert store.get("a") is None
+    _assert_still_serving(metadata_server)
+
+
+def test_http_server_serves_others_while_a_client_stalls(
+        metadata_server: MetadataServer) -> None:
+    with socket.create_connection(("127.0.0.1", metadata_server.port), timeout=10) as stalled:
+        stalled.sendall(b"PUT /metadata?key=a HTTP/1.1\r\nContent-Length: 100\r\n\r\npart")
+        _assert_still_serving(metadata_server)
+
+
+def test_http_server_stop_closes_open_connections() -> None:
+    server = MetadataServer().start()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request("GET", "/metadata?key=a")  # keep-alive: the connection stays open
+        assert conn.getresponse().status == 404
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 5.0
+        assert not [t for t in threading.enumerate() if t.name.startswith("metadata-server")]
+        with pytest.raises(MetadataError):
+            _open(server.url, timeout_s=2.0).get("a")
+    finally:
+        conn.close()
+        server.stop()
+
+
+def test_http_server_bind_failure_is_a_metadata_error() -> None:
+    with MetadataServer() as first, pytest.raises(MetadataError, match="cannot listen"):
+        MetadataServer(port=first.port).start()
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+_CLI = [sys.executable, "-m", "mooncake_plugins.cli.metadata_server"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_cli_serves_until_signalled(key: str, signum: int) -> None:
+    proc, port = spawn_ready([*_CLI, "--port", "0"], timeout_s=30, env=_child_env())
+    try:
+        with _open(f"http://127.0.0.1:{port}/metadata") as store:
+            store.put(key, b"from the cli test")
+            assert store.get(key) == b"from the cli test"
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        terminate_group(proc)
+
+
+def test_cli_reports_a_busy_port(dead_port: int) -> None:
+    result = subprocess.run([*_CLI, "--port", str(dead_port)], capture_output=True,
+                            text=True, timeout=60, env=_child_env())
+    assert result.returncode == 1
+    assert "cannot listen" in result.stderr
+    assert "READY" not in result.stdout
