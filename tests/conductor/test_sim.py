@@ -1,0 +1,230 @@
+"""Simulator on tiny hand-made traces whose outcome is known by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mooncake_plugins.conductor.costmodel import CostModel
+from mooncake_plugins.conductor.policies import (CacheAwarePolicy, ConductorPolicy,
+                                                 LoadBalancePolicy, Policy, Slo)
+from mooncake_plugins.conductor.sim import (ClusterConfig, LruBlockCache, SimResult,
+                                            find_capacity, simulate)
+from mooncake_plugins.conductor.traces import TraceRequest
+from mooncake_plugins.errors import InvalidArgument
+
+COST = CostModel()
+SLO = Slo()
+
+
+def _req(ts_ms: float, hash_ids: tuple[int, ...], output: int = 2,
+         tokens: int | None = None) -> TraceRequest:
+    return TraceRequest(ts_ms, tokens if tokens is not None else 512 * len(hash_ids), output,
+                        hash_ids)
+
+
+def _run(requests: list[TraceRequest], policy: Policy, *, num_prefill: int = 2,
+         cache_tokens: int = 1_000_000, pool_tokens: int = 0) -> SimResult:
+    config = ClusterConfig(num_prefill=num_prefill, num_decode=1, cache_tokens=cache_tokens,
+                           pool_tokens=pool_tokens)
+    return simulate(requests, policy, config, SLO, keep_outcomes=True)
+
+
+# ---- LRU ---------------------------------------------------------------------------------
+
+def test_lru_evicts_the_least_recently_used_block() -> None:
+    cache = LruBlockCache(3)
+    cache.insert([1, 2, 3], 0.0)
+    cache.insert([4], 0.0)
+    assert cache.blocks() == [2, 3, 4] and cache.evictions == 1
+    cache.touch([2])
+    cache.insert([5], 0.0)
+    assert cache.blocks() == [4, 2, 5]
+
+
+def test_lru_prefix_stops_at_the_first_missing_block() -> None:
+    cache = LruBlockCache(10)
+    cache.insert([1, 2, 3], 5.0)
+    cache.insert([7], 9.0)
+    assert cache.prefix([1, 2, 3, 4]) == (3, 5.0)
+    assert cache.prefix([2, 3]) == (2, 5.0)
+    assert cache.prefix([9, 1]) == (0, 0.0)
+    assert cache.prefix([1, 2, 3, 7]) == (4, 9.0)
+    assert cache.blocks() == [1, 2, 3, 7]  # lookups are not uses
+
+
+def test_zero_capacity_cache_holds_nothing() -> None:
+    cache = LruBlockCache(0)
+    cache.insert([1, 2], 0.0)
+    assert len(cache) == 0 and 1 not in cache
+
+
+def test_lru_eviction_in_a_replay_breaks_the_prefix() -> None:
+    # one instance, 2 blocks of cache: A=(1,2), B=(3) evicts 1, so C=(1,2) finds nothing
+    requests = [_req(0, (1, 2)), _req(10_000, (3,)), _req(20_000, (1, 2))]
+    result = _run(requests, LoadBalancePolicy(COST), num_prefill=1, cache_tokens=1024)
+    assert [o.reused_blocks for o in result.outcomes] == [0, 0, 0]
+    result = _run(requests, LoadBalancePolicy(COST), num_prefill=1, cache_tokens=1536)
+    assert [o.reused_blocks for o in result.outcomes] == [0, 0, 2]
+
+
+# ---- prefix reuse and prefill timing ------------------------------------------------------
+
+def test_shared_prefix_hits_exactly_k_blocks_with_cache_aware() -> None:
+    a = _req(0, (1, 2, 3, 4), tokens=2048)
+    b = _req(10_000, (1, 2, 3, 7, 8), tokens=2400)
+    result = _run([a, b], CacheAwarePolicy(COST))
+    first, second = result.outcomes
+    assert second.prefill == first.prefill
+    assert (second.local_blocks, second.reused_blocks, second.pull_from) == (3, 3, None)
+    assert result.hit_rate == pytest.approx(3 / 9)
+    assert first.ttft_s == pytest.approx(COST.prefill_s(2048))
+    assert second.ttft_s == pytest.approx(COST.prefill_s(2400, 3 * 512))
+    assert second.ttft_s == pytest.approx(COST.prefill_s(2400 - 1536))
+
+
+def test_fifo_queue_adds_the_previous_prefill() -> None:
+    requests = [_req(0, (1, 2, 3, 4)), _req(0, (5, 6))]
+    result = _run(requests, LoadBalancePolicy(COST), num_prefill=1)
+    first, second = result.outcomes
+    assert second.ttft_s == pytest.approx(COST.prefill_s(2048) + COST.prefill_s(1024))
+
+
+def test_load_balance_sends_the_second_request_to_the_idle_instance() -> None:
+    requests = [_req(0, tuple(range(64))), _req(1, (100,))]
+    result = _run(requests, LoadBalancePolicy(COST))
+    assert [o.prefill for o in result.outcomes] == [0, 1]
+    assert result.outcomes[1].ttft_s == pytest.approx(COST.prefill_s(512))
+
+
+def test_conductor_migrates_a_hot_prefix_to_an_idle_instance() -> None:
+    prefix = tuple(range(1, 9))
+    a = _req(0, prefix)                              # instance 0 computes the prefix
+    busy = _req(10_000, tuple(range(100, 164)))      # then gets a long prompt
+    c = _req(10_001, prefix + (9, 10))               # shares the prefix, instance 0 is busy
+    result = _run([a, busy, c], ConductorPolicy(COST, SLO))
+    out = result.outcomes[2]
+    assert (out.prefill, out.local_blocks, out.reused_blocks, out.pull_from) == (1, 0, 8, 0)
+    expected = COST.kv_transfer_s(8 * 512) + COST.prefill_s(10 * 512, 8 * 512)
+    assert out.ttft_s == pytest.approx(expected)
+    assert result.pulled_blocks == 8
+
+
+def test_pool_serves_a_prefix_to_another_instance() -> None:
+    prefix = tuple(range(1, 9))
+    requests = [_req(0, prefix), _req(10_000, tuple(range(100, 164))),
+                _req(10_001, prefix + (9,))]
+    with_pool = _run(requests, LoadBalancePolicy(COST), pool_tokens=100_000)
+    out = with_pool.outcomes[2]
+    assert (out.prefill, out.reused_blocks, out.pull_from) == (1, 8, "pool")
+    without = _run(requests, LoadBalancePolicy(COST))
+    assert (without.outcomes[2].reused_blocks, without.outcomes[2].pull_from) == (0, None)
+
+
+# ---- decode ---------------------------------------------------------------------------------
+
+FLAT = CostModel(decode_fixed_s=0.01, decode_s_per_request=0.0, decode_s_per_context_token=0.0,
+                 transfer_latency_s=0.0)
+
+
+def test_decode_waits_for_a_slot_and_tbt_counts_the_wait() -> None:
+    # two 1024-token prompts at t=0, one prefill instance, batch of 1; 100 tokens each to decode
+    requests = [_req(0, (1, 2), output=101), _req(0, (3, 4), output=101)]
+    config = ClusterConfig(num_prefill=1, num_decode=1, decode_max_batch=1, cost=FLAT)
+    result = simulate(requests, LoadBalancePolicy(FLAT), config, SLO, keep_outcomes=True)
+    p = FLAT.prefill_s(1024)
+    first_a, first_b = p, 2 * p
+    finish_a = first_a + 100 * 0.01
+    assert first_b < finish_a  # B's KV is there before A leaves: it waits for the slot
+    finish_b = finish_a + 100 * 0.01
+    a, b = result.outcomes
+    assert a.tbt_s == pytest.approx((finish_a - first_a) / 100)
+    assert b.tbt_s == pytest.approx((finish_b - first_b) / 100)
+    assert result.makespan_s == pytest.approx(finish_b)
+
+
+def test_batched_decode_step_time_depends_on_batch() -> None:
+    cost = CostModel(decode_fixed_s=0.01, decode_s_per_request=0.005,
+                     decode_s_per_context_token=0.0, transfer_latency_s=0.0)
+    requests = [_req(0, (1,), output=101), _req(0, (2,), output=101)]
+    config = ClusterConfig(num_prefill=2, num_decode=1, decode_max_batch=2, cost=cost)
+    result = simulate(requests, LoadBalancePolicy(cost), config, SLO, keep_outcomes=True)
+    # both join at the same time p and share 100 steps of 0.01 + 2 x 0.005 s
+    assert [o.tbt_s for o in result.outcomes] == pytest.approx([0.02, 0.02])
+
+
+def test_single_token_outputs_finish_at_prefill() -> None:
+    result = _run([_req(0, (1, 2), output=1)], LoadBalancePolicy(COST))
+    out = result.outcomes[0]
+    assert out.decode == -1 and math.isnan(out.tbt_s)
+    assert result.slo_attainment == 1.0
+    assert math.isnan(result.tbt.p50)
+
+
+# ---- rejection and SLO accounting ------------------------------------------------------------
+
+@pytest.mark.parametrize(("factor", "rejected"), [(1.0001, 0), (0.9999, 1)])
+def test_sim_rejects_exactly_when_predicted_ttft_exceeds_slo(factor: float, rejected: int) -> None:
+    requests = [_req(0, tuple(range(8)))]
+    slo = Slo(ttft_s=COST.prefill_s(4096) * factor)
+    config = ClusterConfig(num_prefill=1, num_decode=1)
+    result = simulate(requests, ConductorPolicy(COST, slo), config, slo, keep_outcomes=True)
+    assert result.rejected == rejected
+    assert result.slo_attainment == 1 - rejected
+    if rejected:
+        assert result.outcomes[0].prefill == -1
+        assert "TTFT" in result.outcomes[0].reject_reason
+
+
+def test_second_request_rejected_when_queue_pushes_it_over_the_slo() -> None:
+    requests = [_req(0, tuple(range(8))), _req(0, tuple(range(10, 18)))]
+    slo = Slo(ttft_s=1.5 * COST.prefill_s(4096))
+    config = ClusterConfig(num_prefill=1, num_decode=1)
+    result = simulate(requests, ConductorPolicy(COST, slo), config, slo, keep_outcomes=True)
+    assert [o.reject_reason is None for o in result.outcomes] == [True, False]
+    assert result.slo_attainment == 0.5
+    assert result.hit_rate == 0.0
+
+
+def test_served_requests_over_the_slo_count_as_misses() -> None:
+    requests = [_req(0, tuple(range(8))), _req(0, tuple(range(10, 18)))]
+    slo = Slo(ttft_s=1.5 * COST.prefill_s(4096))
+    config = ClusterConfig(num_prefill=1, num_decode=1)
+    result = simulate(requests, LoadBalancePolicy(COST), config, slo)
+    assert (result.rejected, result.ttft_attainment, result.slo_attainment) == (0, 0.5, 0.5)
+
+
+def test_rate_scale_compresses_arrivals() -> None:
+    requests = [_req(0, (1,)), _req(4000, (2,))]
+    result = simulate(requests, LoadBalancePolicy(COST), ClusterConfig(), SLO, rate_scale=4.0,
+                      keep_outcomes=True)
+    assert [o.arrival_s for o in result.outcomes] == [0.0, 1.0]
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(InvalidArgument):
+        simulate([], LoadBalancePolicy(COST), ClusterConfig(), SLO)
+    with pytest.raises(InvalidArgument):
+        simulate([_req(0, (1,))], LoadBalancePolicy(COST), ClusterConfig(), SLO, rate_scale=0)
+    with pytest.raises(InvalidArgument):
+        ClusterConfig(num_prefill=0)
+    with pytest.raises(InvalidArgument):
+        ClusterConfig(cache_tokens=-1)
+
+
+def test_capacity_search_brackets_the_target() -> None:
+    # one prefill instance, a request every 2 s, each taking per_request_s to prefill
+    requests = [_req(i * 2000.0, tuple(range(14 * i, 14 * i + 14))) for i in range(200)]
+    slo = Slo(ttft_s=5.0)
+    config = ClusterConfig(num_prefill=1, num_decode=1)
+    capacity = find_capacity(requests, lambda: LoadBalancePolicy(COST), config, slo,
+                             target=0.9, iterations=8)
+    assert capacity.policy == "load_balance"
+    per_request_s = COST.prefill_s(14 * 512)
+    saturating_scale = 2.0 / per_request_s
+    assert 0.8 * saturating_scale < capacity.rate_scale < 1.2 * saturating_scale
+    best = max(s for s, a in capacity.probes if a >= 0.9)
+    assert best == capacity.rate_scale
+    assert all(a < 0.9 for s, a in capacity.probes if s > capacity.rate_scale)
+    assert capacity.requests_per_s == pytest.approx(capacity.rate_scale * 200 / 398.0)
