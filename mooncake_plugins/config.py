@@ -46,6 +46,8 @@ class EngineConfig:
         transports: transports allowed, in order of preference when a peer supports
             several (MC_TRANSPORTS, comma separated). "shm" is used only for same-host peers.
         retries: extra attempts of a failed slice on another path (MC_RETRIES).
+        inline_nbytes: batches up to this size run in the submitting thread, without a
+            worker handoff (MC_INLINE_SIZE); ``submit`` then returns a finished batch.
     """
 
     slice_nbytes: int = 1 << 20
@@ -55,6 +57,7 @@ class EngineConfig:
     connect_timeout_s: float = 5.0
     transports: list[str] = field(default_factory=lambda: ["shm", "tcp"])
     retries: int = 1
+    inline_nbytes: int = 256 << 10
 
     @classmethod
     def from_env(cls) -> "EngineConfig":
@@ -66,6 +69,7 @@ class EngineConfig:
         cfg.transfer_timeout_s = _float_env("MC_TRANSFER_TIMEOUT", cfg.transfer_timeout_s)
         cfg.connect_timeout_s = _float_env("MC_CONNECT_TIMEOUT", cfg.connect_timeout_s)
         cfg.retries = _int_env("MC_RETRIES", cfg.retries)
+        cfg.inline_nbytes = _int_env("MC_INLINE_SIZE", cfg.inline_nbytes)
         raw = os.environ.get("MC_TRANSPORTS")
         if raw:
             cfg.transports = [t.strip() for t in raw.split(",") if t.strip()]
@@ -82,8 +86,8 @@ class EngineConfig:
             raise ValueError(f"connections_per_peer={self.connections_per_peer} must be in [1, 64]")
         if self.transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
-        if self.retries < 0:
-            raise ValueError("retries must be >= 0")
+        if self.retries < 0 or self.inline_nbytes < 0:
+            raise ValueError("retries and inline_nbytes must be >= 0")
         unknown = set(self.transports) - {"tcp", "shm"}
         if unknown or not self.transports:
             raise ValueError(f"transports={self.transports}: choose from 'shm', 'tcp'")

@@ -83,3 +83,122 @@ def to_code(exc: BaseException) -> int:
 def from_code(code: int, message: str) -> MooncakeError:
     """Build the exception for a negative ``code`` received from a peer."""
     return _BY_CODE.get(code, TransferError)(message)
+
+
+# -- Mooncake Store errors: codes are the original's ``mooncake::ErrorCode`` values ------------
+
+class StoreError(MooncakeError):
+    """Base of the store's errors; ``code`` is the original's ErrorCode value."""
+
+    code = -1
+
+
+class NoAvailableSpace(StoreError, MemoryError):
+    """No segment has room for the object, even after eviction (NO_AVAILABLE_HANDLE)."""
+
+    code = -200
+
+
+class StoreSegmentNotFound(StoreError, LookupError):
+    """No mounted segment can take a replica, or the named one is unknown (SEGMENT_NOT_FOUND)."""
+
+    code = -101
+
+
+class SegmentAlreadyExists(StoreError):
+    """That segment is mounted already (SEGMENT_ALREADY_EXISTS)."""
+
+    code = -102
+
+
+class ClientNotFound(StoreError, LookupError):
+    """The master does not know this client (expired, or a new leader): remount (CLIENT_NOT_FOUND)."""
+
+    code = -103
+
+
+class InvalidKey(StoreError, ValueError):
+    """Empty, oversized or non-UTF-8 key (INVALID_KEY)."""
+
+    code = -400
+
+
+class InvalidParams(StoreError, ValueError):
+    """A size, count or config value is out of range (INVALID_PARAMS)."""
+
+    code = -600
+
+
+class ReplicaNotReady(StoreError):
+    """The object is still being written (REPLICA_IS_NOT_READY)."""
+
+    code = -703
+
+
+class ObjectNotFound(StoreError, KeyError):
+    """No complete object under that key (OBJECT_NOT_FOUND)."""
+
+    code = -704
+    __str__ = Exception.__str__  # not KeyError's repr of the message
+
+
+class ObjectAlreadyExists(StoreError):
+    """The key exists already; use upsert to replace it (OBJECT_ALREADY_EXISTS)."""
+
+    code = -705
+
+
+class ObjectHasLease(StoreError):
+    """A reader holds a lease on the object; retry later or force (OBJECT_HAS_LEASE)."""
+
+    code = -706
+
+
+class LeaseExpired(StoreError):
+    """The read lease ran out before the data arrived; the bytes are not trusted (LEASE_EXPIRED)."""
+
+    code = -707
+
+
+class StoreTransferFailed(StoreError):
+    """Moving the object's bytes failed on every replica (TRANSFER_FAIL)."""
+
+    code = -800
+
+
+class BufferTooSmall(StoreError, ValueError):
+    """The caller's buffer is smaller than the object (BUFFER_OVERFLOW)."""
+
+    code = -10
+
+
+class RpcFailed(StoreError, OSError):
+    """The master could not be reached or answered badly (RPC_FAIL)."""
+
+    code = -900
+
+
+class RpcTimeout(RpcFailed, TimeoutError):
+    """The master did not answer before the deadline (RPC_TIMEOUT)."""
+
+    code = -901
+
+
+class NotSupported(StoreError):
+    """The operation or option is not supported in this mode (NOT_SUPPORTED)."""
+
+    code = -1012
+
+
+STORE_ERRORS: dict[int, type[StoreError]] = {
+    cls.code: cls
+    for cls in (NoAvailableSpace, StoreSegmentNotFound, SegmentAlreadyExists, ClientNotFound,
+                InvalidKey, InvalidParams, ReplicaNotReady, ObjectNotFound, ObjectAlreadyExists,
+                ObjectHasLease, LeaseExpired, StoreTransferFailed, BufferTooSmall, RpcFailed,
+                RpcTimeout, NotSupported)
+}
+
+
+def store_error(code: int, message: str) -> StoreError:
+    """Build the store exception for an original ErrorCode received over RPC."""
+    return STORE_ERRORS.get(code, StoreError)(message)

@@ -95,6 +95,15 @@ class Batch:
                 return TransferStatus.FAILED if self._left[index] == 0 else TransferStatus.PENDING
             return TransferStatus.COMPLETED if self._left[index] == 0 else TransferStatus.PENDING
 
+    def request_error(self, index: int) -> MooncakeError | None:
+        """The error of request ``index``, or None (so far)."""
+        with self._lock:
+            return self._errors[index]
+
+    def wait_done(self, timeout_s: float | None = None) -> bool:
+        """Block until every slice ended, without raising; False on timeout."""
+        return self._done_event.wait(timeout_s)
+
     def status(self) -> TransferStatus:
         """COMPLETED when every request succeeded, FAILED when all ended and one failed."""
         if not self.done():

@@ -153,33 +153,37 @@ class TransferEngine:
                  "native" if memory.IMPLEMENTATION == "native" else "python")
 
     # -- registration ----------------------------------------------------------------
-    def register(self, buffer: Any, location: str = "*") -> Region:
+    def register(self, buffer: Any, location: str = "*", private: bool = False) -> Region:
         """Register a buffer object (bytearray, numpy array, mmap, CPU tensor, bytes read-only).
 
-        The object is kept alive, and cannot be resized, until ``unregister``.
+        The object is kept alive, and cannot be resized, until ``unregister``. A
+        ``private`` region is only usable as the local side of our own transfers: it is not
+        published (cheap to add and remove) and peers cannot touch it.
         """
         if callable(getattr(buffer, "data_ptr", None)):
             address, nbytes = memory.address_of(buffer)
-            return self._add(RegionInfo(address, nbytes, location), keepalive=buffer)
+            return self._add(RegionInfo(address, nbytes, location), keepalive=buffer, private=private)
         try:
             exp = memory.Export(buffer, False)
         except (TypeError, BufferError) as exc:
             raise InvalidArgument(f"cannot register {type(buffer).__name__}: {exc}") from exc
         try:
             return self._add(RegionInfo(exp.address, exp.nbytes, location,
-                                        readonly=bool(exp.readonly)), keepalive=exp)
+                                        readonly=bool(exp.readonly)), keepalive=exp, private=private)
         except BaseException:
             exp.release()
             raise
 
-    def register_address(self, address: int, nbytes: int, location: str = "*") -> Region:
+    def register_address(self, address: int, nbytes: int, location: str = "*",
+                         private: bool = False) -> Region:
         """Register raw memory; the caller keeps it valid until ``unregister``."""
-        return self._add(RegionInfo(address, nbytes, location))
+        return self._add(RegionInfo(address, nbytes, location), private=private)
 
-    def _add(self, info: RegionInfo, keepalive: Any = None) -> Region:
+    def _add(self, info: RegionInfo, keepalive: Any = None, private: bool = False) -> Region:
         self._check_open()
-        region = self._regions.add(Region(info, keepalive=keepalive))
-        self._changed()
+        region = self._regions.add(Region(info, keepalive=keepalive, private=private))
+        if not private:
+            self._changed()
         return region
 
     def unregister(self, address: int | Region) -> None:
@@ -191,7 +195,8 @@ class TransferEngine:
         region = self._regions.remove(addr)
         if hasattr(region.keepalive, "release"):
             region.keepalive.release()
-        self._changed()
+        if not region.private:
+            self._changed()
 
     def allocate(self, nbytes: int, location: str = "*") -> ManagedBuffer:
         """Allocate and register ``nbytes`` of memfd-backed memory (shm peers map it directly)."""
@@ -227,7 +232,8 @@ class TransferEngine:
         return memory.view(address, nbytes, readonly=region.readonly)
 
     def regions(self) -> list[RegionInfo]:
-        return [r.info for r in self._regions.regions()]
+        """The published (non-private) regions."""
+        return [r.info for r in self._regions.regions(include_private=False)]
 
     def _changed(self) -> None:
         epoch = self._regions.epoch
@@ -348,8 +354,12 @@ class TransferEngine:
         if current:
             tasks.append(current)
         batch.seal()
-        for task in tasks:
-            self._pool.submit(self._run_task, peer, paths, batch, task)
+        if batch.nbytes <= self.config.inline_nbytes:
+            for task in tasks:  # small: the handoff to a worker would cost more than the copy
+                self._run_task(peer, paths, batch, task)
+        else:
+            for task in tasks:
+                self._pool.submit(self._run_task, peer, paths, batch, task)
         return batch
 
     def _check_remote(self, peer: Peer, address: int, nbytes: int, write: bool) -> None:

@@ -40,10 +40,15 @@ class RegionInfo:
 
 @dataclass(eq=False)
 class Region:
-    """A locally registered region; ``inflight`` counts transfers touching it now."""
+    """A locally registered region; ``inflight`` counts transfers touching it now.
+
+    A ``private`` region is only a source or destination of this process's own transfers:
+    it is not published, and peers can neither read nor write it.
+    """
 
     info: RegionInfo
     keepalive: Any = None
+    private: bool = False
     inflight: int = 0
 
     @property
@@ -91,7 +96,8 @@ class RegionTable:
                 raise InvalidArgument(f"region 0x{addr:x}+{n} overlaps a registered region")
             self._starts.insert(i, addr)
             self._regions.insert(i, region)
-            self.epoch += 1
+            if not region.private:
+                self.epoch += 1
         return region
 
     def remove(self, address: int) -> Region:
@@ -105,17 +111,21 @@ class RegionTable:
                 raise RegionBusy(f"region 0x{address:x} has {region.inflight} transfers in flight")
             del self._starts[i]
             del self._regions[i]
-            self.epoch += 1
+            if not region.private:
+                self.epoch += 1
         return region
 
-    def acquire(self, address: int, nbytes: int) -> Region:
+    def acquire(self, address: int, nbytes: int, remote: bool = False) -> Region:
         """Find the region holding ``[address, address+nbytes)`` and count one more user.
 
         Raises:
-            AddressError: the range is not entirely inside one registered region.
+            AddressError: the range is not entirely inside one registered region (for a
+                ``remote`` peer: one that is not private).
         """
         with self._lock:
             region = self._find(address, nbytes)
+            if remote and region.private:
+                raise AddressError(f"range 0x{address:x}+{nbytes} is not inside a registered region")
             region.inflight += 1
             return region
 
@@ -136,9 +146,9 @@ class RegionTable:
                 return region
         raise AddressError(f"range 0x{address:x}+{nbytes} is not inside a registered region")
 
-    def regions(self) -> list[Region]:
+    def regions(self, include_private: bool = True) -> list[Region]:
         with self._lock:
-            return list(self._regions)
+            return [r for r in self._regions if include_private or not r.private]
 
     def __len__(self) -> int:
         return len(self._regions)

@@ -167,7 +167,7 @@ class TcpServer:
                     continue
                 writing = req.op == protocol.OP_WRITE
                 try:
-                    region = self._regions.acquire(req.address, req.nbytes)
+                    region = self._regions.acquire(req.address, req.nbytes, remote=True)
                 except AddressError as exc:
                     log.warning("refused %s from %s: %s", "WRITE" if writing else "READ", addr, exc)
                     if writing:

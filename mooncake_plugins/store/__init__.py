@@ -1,0 +1,1 @@
+"""Mooncake Store: master service, client, allocation, eviction, HA and SSD offload."""

@@ -1,0 +1,539 @@
+"""StoreClient: contributes a memory segment to the pool and puts/gets objects.
+
+Bytes go straight between this process and the segments holding the replicas, through
+the transfer engine (shared memory for same-host segments, tcp otherwise); the master
+only answers where. Thread-safe: calls may come from many threads; a background thread
+sends heartbeats, and re-registers (remounting the segment) when the master forgot us
+or, with HA, when a new leader took over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..config import EngineConfig
+from ..errors import (BufferTooSmall, ClientNotFound, InvalidParams, LeaseExpired, MooncakeError,
+                      NotSupported, ObjectNotFound, RpcFailed, StoreError, StoreTransferFailed,
+                      store_error)
+from ..transfer import OpCode, TransferEngine, TransferRequest
+from ..transfer.topology import host_id
+from . import offload
+from .rpc import RpcClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicateConfig:
+    """Placement of one put (the original's ``ReplicateConfig``, snake_case here)."""
+
+    replica_num: int = 1
+    preferred_segments: list[str] = field(default_factory=list)
+    with_soft_pin: bool = False
+
+    def to_wire(self, upsert: bool) -> dict:
+        return {"replica_num": self.replica_num, "preferred_segments": list(self.preferred_segments),
+                "with_soft_pin": self.with_soft_pin, "upsert": upsert}
+
+
+def _pair(local: Sequence[tuple[int, int]], shards: Sequence[Sequence]) -> list[tuple[int, str, int, int]]:
+    """Match local pieces against a replica's shards: ``(local, segment, remote, nbytes)`` runs.
+
+    The object's bytes are laid out in order over both lists; a run ends wherever a piece
+    or a shard does. Local room beyond the object (a larger buffer) is left untouched.
+    """
+    runs = []
+    li, loff = 0, 0
+    for seg, remote, n in shards:
+        soff = 0
+        while soff < n:
+            address, room = local[li]
+            take = min(room - loff, n - soff)
+            if take > 0:
+                runs.append((address + loff, seg, remote + soff, take))
+            loff += take
+            soff += take
+            if loff == room:
+                li, loff = li + 1, 0
+    return runs
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise InvalidParams(f"master address must be host:port or etcd://..., got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class StoreClient:
+    """One client of a Mooncake Store cluster.
+
+    Args:
+        master_address: ``host:port`` of the master, or ``etcd://h:p[;h:p]`` to follow the
+            leader of an HA cluster (``cluster_id``).
+        local_hostname, metadata_server, protocol: for the transfer engine (ignored when
+            ``engine`` is given). protocol "tcp" still uses shared memory for same-host peers.
+        global_segment_size: bytes this client contributes to the pool (0: none).
+        enable_ssd_offload, ssd_offload_path: also keep every object written here in a file
+            (the SSD tier; the master must run with ``--enable_offload``).
+
+    Raises:
+        RpcFailed (master unreachable), InvalidParams.
+    """
+
+    def __init__(self, master_address: str, *, local_hostname: str = "127.0.0.1",
+                 metadata_server: str = "P2PHANDSHAKE", global_segment_size: int = 64 << 20,
+                 protocol: str = "tcp", engine: TransferEngine | None = None,
+                 enable_ssd_offload: bool = False, ssd_offload_path: str = "",
+                 cluster_id: str = "mooncake", rpc_timeout_s: float = 10.0,
+                 transfer_timeout_s: float = 30.0) -> None:
+        if protocol not in ("tcp", "shm"):
+            raise NotSupported(f"protocol {protocol!r} is not available here (tcp, shm)")
+        if global_segment_size < 0:
+            raise InvalidParams("global_segment_size must be >= 0")
+        if enable_ssd_offload and not ssd_offload_path:
+            raise InvalidParams("enable_ssd_offload needs ssd_offload_path")
+        self.client_id = uuid.uuid4().hex
+        self._host_id = host_id()
+        self._rpc_timeout_s = rpc_timeout_s
+        self._transfer_timeout_s = transfer_timeout_s
+        self._ha: tuple[str, str] | None = None
+        if master_address.startswith("etcd://"):
+            from .ha import current_leader, wait_for_leader
+
+            self._ha = (master_address[len("etcd://"):], cluster_id)
+            leader = current_leader(*self._ha) or wait_for_leader(*self._ha, timeout_s=rpc_timeout_s)
+            master_address = leader
+        self._rpc = RpcClient(*_split(master_address), timeout_s=rpc_timeout_s)
+        self._rpc_lock = threading.Lock()
+        self._owns_engine = engine is None
+        if engine is None:
+            cfg = EngineConfig.from_env()
+            cfg.transfer_timeout_s = transfer_timeout_s
+            engine = TransferEngine(local_hostname, metadata_server, config=cfg)
+        self.engine = engine
+        self._segment = engine.allocate(global_segment_size) if global_segment_size else None
+        self._offload_dir = ssd_offload_path if enable_ssd_offload else None
+        self._offloader = ThreadPoolExecutor(1, thread_name_prefix="mc-offload") \
+            if self._offload_dir else None
+        self._local_segments: dict[str, bool] = {}
+        self._closed = False
+        self._stop = threading.Event()
+        info = self._register()
+        self._lease_ttl_s = info["lease_ttl_ms"] / 1000
+        if self._offload_dir and not info["enable_offload"]:
+            log.warning("master has offload disabled: objects are not written to %s", self._offload_dir)
+            self._offload_dir = None
+        interval = max(0.05, min(1.0, info["client_ttl_s"] / 3))
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(interval,),
+                                           name="mc-store-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    # -- master connection ------------------------------------------------------------
+    @property
+    def segment_name(self) -> str:
+        return self.engine.segment_name
+
+    @property
+    def master_address(self) -> str:
+        return self._rpc.address
+
+    def _register(self) -> dict:
+        info = self._rpc.call("register_client", client_id=self.client_id, host_id=self._host_id)
+        if self._segment is not None:
+            self._rpc.call("mount_segment", client_id=self.client_id, segment=self.segment_name,
+                           base=self._segment.address, nbytes=self._segment.nbytes)
+        return info
+
+    def _failover(self, failed: RpcClient) -> None:
+        """Find the (new) leader and register with it again."""
+        with self._rpc_lock:
+            if self._rpc is not failed:
+                return  # another thread did it already
+            if self._ha is not None:
+                from .ha import wait_for_leader
+
+                leader = wait_for_leader(*self._ha, timeout_s=max(30.0, self._rpc_timeout_s),
+                                         exclude=failed.address)
+                log.warning("store master moved: %s -> %s", failed.address, leader)
+                self._rpc = RpcClient(*_split(leader), timeout_s=self._rpc_timeout_s)
+                failed.close()
+            self._register()
+
+    def _call(self, method: str, **args: Any) -> Any:
+        """RPC with one retry after re-registering (expired client) or a leader change."""
+        rpc = self._rpc
+        try:
+            return rpc.call(method, **args)
+        except ClientNotFound:
+            self._failover(rpc)
+        except (RpcFailed, NotSupported):
+            if self._ha is None:
+                raise
+            self._failover(rpc)
+        return self._rpc.call(method, **args)
+
+    def _heartbeat_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            rpc = self._rpc
+            try:
+                rpc.call("heartbeat", client_id=self.client_id)
+            except ClientNotFound:
+                log.warning("master %s forgot this client: registering again", rpc.address)
+                self._safe_failover(rpc)
+            except (RpcFailed, NotSupported) as exc:
+                if self._ha is not None:
+                    self._safe_failover(rpc)
+                else:
+                    log.warning("heartbeat to %s failed: %s", rpc.address, exc)
+
+    def _safe_failover(self, rpc: RpcClient) -> None:
+        try:
+            self._failover(rpc)
+        except MooncakeError as exc:
+            log.warning("could not re-register with the store master: %s", exc)
+
+    # -- buffers ----------------------------------------------------------------------
+    def register_buffer(self, address: int, nbytes: int) -> None:
+        """Let ``put_from``/``get_into`` use ``[address, address+nbytes)`` (zero-copy)."""
+        self.engine.register_address(address, nbytes, private=True)
+
+    def unregister_buffer(self, address: int) -> None:
+        self.engine.unregister(address)
+
+    # -- puts ---------------------------------------------------------------------------
+    def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
+        """Store ``value`` (any buffer) under ``key``. Raises ObjectAlreadyExists, NoAvailableSpace, ..."""
+        self._raise(self.batch_put([key], [value], config)[0])
+
+    def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
+        """Store ``value``, replacing a previous object under ``key``."""
+        self._raise(self.batch_put([key], [value], config, upsert=True)[0])
+
+    def put_from(self, key: str, address: int, nbytes: int, config: ReplicateConfig | None = None,
+                 upsert: bool = False) -> None:
+        """Store ``nbytes`` at a registered ``address`` under ``key``."""
+        self._raise(self.batch_put_from([key], [address], [nbytes], config, upsert)[0])
+
+    def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None,
+                  upsert: bool = False) -> None:
+        """Store the concatenation of ``parts`` as one object."""
+        views = [memoryview(p).cast("B") for p in parts]
+        joined = bytearray(sum(v.nbytes for v in views))
+        off = 0
+        for v in views:
+            joined[off:off + v.nbytes] = v
+            off += v.nbytes
+        self._raise(self.batch_put([key], [joined], config, upsert)[0])
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[Any],
+                  config: ReplicateConfig | None = None, upsert: bool = False) -> list[StoreError | None]:
+        """Put many objects in one master round trip each way; per-key errors (None = ok)."""
+        if len(keys) != len(values):
+            raise InvalidParams("keys and values differ in length")
+        regions = []
+        try:
+            ranges = []
+            for v in values:
+                if memoryview(v).nbytes == 0:
+                    ranges.append((0, 0))  # the master refuses it for this key only
+                    continue
+                regions.append(self.engine.register(v, private=True))
+                ranges.append((regions[-1].address, regions[-1].nbytes))
+            return self.batch_put_from(keys, [a for a, _ in ranges], [n for _, n in ranges],
+                                       config, upsert)
+        finally:
+            for r in regions:
+                self.engine.unregister(r)
+
+    def batch_put_from(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int],
+                       config: ReplicateConfig | None = None,
+                       upsert: bool = False) -> list[StoreError | None]:
+        """Put objects from registered memory; returns a per-key error or None."""
+        if not len(keys) == len(addresses) == len(sizes):
+            raise InvalidParams("keys, addresses and sizes differ in length")
+        return self.batch_put_from_parts(keys, [[(a, n)] for a, n in zip(addresses, sizes)],
+                                         config, upsert)
+
+    def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Sequence[tuple[int, int]]],
+                             config: ReplicateConfig | None = None,
+                             upsert: bool = False) -> list[StoreError | None]:
+        """Put objects each gathered from several registered ``(address, nbytes)`` pieces."""
+        if len(keys) != len(parts):
+            raise InvalidParams("keys and parts differ in length")
+        if not keys:
+            return []
+        sizes = [sum(n for _, n in p) for p in parts]
+        cfg = (config or ReplicateConfig()).to_wire(upsert)
+        results = self._call("put_start", client_id=self.client_id, keys=list(keys),
+                             sizes=sizes, config=cfg)
+        errors: list[StoreError | None] = [None] * len(keys)
+        plan: dict[str, list[tuple[TransferRequest, int]]] = defaultdict(list)
+        for i, (code, replicas) in enumerate(results):
+            if code:
+                errors[i] = store_error(code, replicas)
+                continue
+            for replica in replicas:
+                for local, seg, remote, n in _pair(parts[i], replica):
+                    plan[seg].append((TransferRequest(OpCode.WRITE, local, remote, n), i))
+        failed = self._run(plan, errors)
+        done = [k for i, k in enumerate(keys) if errors[i] is None and i not in failed]
+        bad = [k for i, k in enumerate(keys) if errors[i] is None and i in failed]
+        for i in failed:
+            errors[i] = StoreTransferFailed(f"writing {keys[i]!r} failed: {failed[i]}")
+        if bad:
+            self._call("put_revoke", client_id=self.client_id, keys=bad)
+        if done:
+            ends = self._call("put_end", client_id=self.client_id, keys=done)
+            index = {k: i for i, k in enumerate(keys)}
+            for k, (code, msg) in zip(done, ends):
+                if code:
+                    errors[index[k]] = store_error(code, msg)
+                elif self._offload_dir:
+                    self._offload(k, parts[index[k]])
+        return errors
+
+    def _run(self, plan: dict[str, list[tuple[TransferRequest, int]]],
+             errors: list) -> dict[int, MooncakeError]:
+        """Submit one batch per segment, wait for all; returns key index -> first error."""
+        failed: dict[int, MooncakeError] = {}
+        batches = []
+        for seg, items in plan.items():
+            try:
+                batches.append((self.engine.submit(seg, [r for r, _ in items]), items))
+            except MooncakeError as exc:
+                for _, i in items:
+                    failed.setdefault(i, exc)
+        for batch, items in batches:
+            if not batch.wait_done(self._transfer_timeout_s + batch.nbytes / 1e8):
+                for _, i in items:
+                    failed.setdefault(i, StoreTransferFailed("transfer timed out"))
+                continue
+            for j, (_, i) in enumerate(items):
+                err = batch.request_error(j)
+                if err is not None:
+                    failed.setdefault(i, err)
+        return failed
+
+    def _offload(self, key: str, parts: Sequence[tuple[int, int]]) -> None:
+        """Copy the object to the SSD tier now (the caller's buffer may change later)."""
+        data = b"".join(self.engine.local_view(a, n) for a, n in parts)
+        path = offload.path_for(self._offload_dir, key)
+
+        def write() -> None:
+            try:
+                offload.write_file(path, memoryview(data))
+                code, msg = self._call("add_disk_replica", keys=[key], paths=[path])[0]
+                if code:
+                    log.warning("offload of %r not recorded: %s", key, msg)
+            except (OSError, MooncakeError) as exc:
+                log.warning("offload of %r to %s failed: %s", key, path, exc)
+
+        self._offloader.submit(write)
+
+    def flush_offload(self) -> None:
+        """Wait until every background SSD-tier write issued so far finished."""
+        if self._offloader is not None:
+            self._offloader.submit(lambda: None).result()
+
+    # -- gets ---------------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        """The object's bytes. Raises ObjectNotFound, StoreTransferFailed, ..."""
+        out = self.batch_get([key])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def get_into(self, key: str, address: int, nbytes: int) -> int:
+        """Read the object into registered memory; returns its size."""
+        out = self.batch_get_into([key], [address], [nbytes])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | StoreError]:
+        """Objects' bytes, or a per-key error."""
+        bufs: dict[int, bytearray] = {}
+        regions = []
+
+        def dest(i: int, nbytes: int) -> list[tuple[int, int]]:
+            bufs[i] = bytearray(nbytes)
+            regions.append(self.engine.register(bufs[i], private=True))
+            return [(regions[-1].address, nbytes)]
+
+        try:
+            res = self._get(list(keys), dest)
+        finally:
+            for r in regions:
+                self.engine.unregister(r)
+        return [r if isinstance(r, Exception) else bytes(bufs[i]) for i, r in enumerate(res)]
+
+    def batch_get_into(self, keys: Sequence[str], addresses: Sequence[int],
+                       sizes: Sequence[int]) -> list[int | StoreError]:
+        """Read objects into registered memory; per key its size or an error."""
+        if not len(keys) == len(addresses) == len(sizes):
+            raise InvalidParams("keys, addresses and sizes differ in length")
+        return self.batch_get_into_parts(keys, [[(a, n)] for a, n in zip(addresses, sizes)])
+
+    def batch_get_into_parts(self, keys: Sequence[str],
+                             parts: Sequence[Sequence[tuple[int, int]]]) -> list[int | StoreError]:
+        """Read objects scattered into several registered ``(address, nbytes)`` pieces each."""
+        if len(keys) != len(parts):
+            raise InvalidParams("keys and parts differ in length")
+
+        def dest(i: int, nbytes: int) -> list[tuple[int, int]]:
+            room = sum(n for _, n in parts[i])
+            if nbytes > room:
+                raise BufferTooSmall(f"{keys[i]!r} has {nbytes} bytes; the buffers hold {room}")
+            return list(parts[i])
+
+        return self._get(list(keys), dest)
+
+    def _is_local(self, segment: str) -> bool:
+        local = self._local_segments.get(segment)
+        if local is None:
+            try:
+                local = self.engine.open_segment(segment).descriptor.host_id == self._host_id
+            except MooncakeError:
+                local = False
+            self._local_segments[segment] = local
+        return local
+
+    def _get(self, keys: list[str], dest: Callable[[int, int], list[tuple[int, int]]],
+             retry_expired: bool = True) -> list:
+        if not keys:
+            return []
+        t0 = time.monotonic()
+        replies = self._call("get_replicas", keys=keys)
+        out: list[Any] = [None] * len(keys)
+        todo: dict[int, tuple[list[tuple[int, int]], int, list, str | None]] = {}
+        for i, (code, info) in enumerate(replies):
+            if code:
+                out[i] = store_error(code, info)
+                continue
+            nbytes, replicas, disk, _ = info
+            try:
+                local = dest(i, nbytes)
+            except StoreError as exc:
+                out[i] = exc
+                continue
+            random.shuffle(replicas)
+            replicas.sort(key=lambda r: not all(self._is_local(s[0]) for s in r))
+            todo[i] = (local, nbytes, replicas, disk)
+        attempt = 0
+        while todo:
+            plan: dict[str, list[tuple[TransferRequest, int]]] = defaultdict(list)
+            for i, (local, nbytes, replicas, disk) in list(todo.items()):
+                if attempt < len(replicas):
+                    for laddr, seg, raddr, n in _pair(local, replicas[attempt]):
+                        plan[seg].append((TransferRequest(OpCode.READ, laddr, raddr, n), i))
+                elif disk is not None:
+                    out[i] = self._read_disk(keys[i], disk, local, nbytes)
+                    del todo[i]
+                else:
+                    out[i] = StoreTransferFailed(f"no replica of {keys[i]!r} could be read")
+                    del todo[i]
+            failed = self._run(plan, out)
+            for i in list(todo):
+                if i not in failed and attempt < len(todo[i][2]):
+                    out[i] = todo.pop(i)[1]
+                elif i in failed:
+                    log.info("reading %r from replica %d failed: %s", keys[i], attempt, failed[i])
+            attempt += 1
+        if time.monotonic() - t0 >= self._lease_ttl_s:
+            # the lease ran out while reading: the space may have been reused under us
+            if retry_expired:
+                return self._get(keys, dest, retry_expired=False)
+            return [LeaseExpired(f"reading {k!r} outlived its lease") if isinstance(o, int) else o
+                    for k, o in zip(keys, out)]
+        return out
+
+    def _read_disk(self, key: str, path: str, local: list[tuple[int, int]],
+                   nbytes: int) -> int | StoreError:
+        try:
+            if len(local) == 1:
+                return offload.read_file_into(path, self.engine.local_view(local[0][0], nbytes))
+            data = bytearray(nbytes)
+            offload.read_file_into(path, memoryview(data))
+            off = 0
+            for address, n in local:
+                take = min(n, nbytes - off)
+                self.engine.local_view(address, take)[:] = data[off:off + take]
+                off += take
+            return nbytes
+        except (OSError, ValueError, MooncakeError) as exc:
+            return StoreTransferFailed(f"reading {key!r} from the SSD tier ({path}) failed: {exc}")
+
+    # -- queries and removal -------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return bool(self._call("exist", keys=[key])[0])
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return [bool(x) for x in self._call("exist", keys=list(keys))] if keys else []
+
+    def size(self, key: str) -> int:
+        """Size in bytes of a complete object (ObjectNotFound otherwise)."""
+        code, info = self._call("get_replicas", keys=[key])[0]
+        if code:
+            raise store_error(code, info)
+        return info[0]
+
+    def remove(self, key: str, force: bool = False) -> None:
+        """Remove an object; ObjectHasLease while someone reads it, unless ``force``."""
+        code, msg = self._call("remove", keys=[key], force=force)[0]
+        if code:
+            raise store_error(code, msg)
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[StoreError | None]:
+        res = self._call("remove", keys=list(keys), force=force) if keys else []
+        return [store_error(c, m) if c else None for c, m in res]
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        return self._call("remove_by_regex", pattern=pattern, force=force)
+
+    def remove_all(self, force: bool = False) -> int:
+        return self._call("remove_all", force=force)
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    @staticmethod
+    def _raise(err: StoreError | None) -> None:
+        if err is not None:
+            raise err
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Unmount the segment (its objects' replicas go), stop heartbeats, release memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._heartbeat.join(5)
+        if self._offloader is not None:
+            self._offloader.shutdown(wait=True)
+        if self._segment is not None:
+            try:
+                self._rpc.call("unmount_segment", client_id=self.client_id, segment=self.segment_name)
+            except MooncakeError as exc:
+                log.warning("unmount of %s failed: %s", self.segment_name, exc)
+        self._rpc.close()
+        if self._owns_engine:
+            self.engine.close()
+        elif self._segment is not None:
+            self.engine.free(self._segment)
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,472 @@
+"""The master's object metadata: where every replica lives, leases, eviction, client liveness.
+
+Bytes never pass through here. ``MasterService`` is pure logic (no I/O, clock injectable),
+made thread-safe by one lock; ``server.py`` puts it behind RPC.
+
+Object life: ``put_start`` allocates replicas (PROCESSING, invisible) -> the writer moves
+the bytes -> ``put_end`` makes them visible (COMPLETE); ``put_revoke`` or a writer that
+never finishes (``put_start_discard_timeout_s``) frees them. ``get`` grants a read lease;
+leased objects are neither evicted nor removed (unless forced), and space freed while a
+lease runs is only reused after it ends.
+
+Lock order: ``MasterService._lock`` only (allocators and LRU live under it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import (ClientNotFound, InvalidKey, InvalidParams, NoAvailableSpace,
+                      ObjectAlreadyExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
+                      SegmentAlreadyExists, StoreSegmentNotFound)
+from .allocation import STRATEGIES, MountedSegment, order_segments
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_NBYTES = 4096
+MAX_OBJECT_NBYTES = 1 << 40
+
+Shard = tuple[str, int, int]          # (segment name, address, nbytes)
+MemoryReplica = list[Shard]
+
+
+@dataclass
+class MasterConfig:
+    """Master tunables; names follow the original mooncake_master flags."""
+
+    allocation_strategy: str = "random"
+    eviction_high_watermark_ratio: float = 0.95
+    eviction_ratio: float = 0.05
+    default_kv_lease_ttl_ms: int = 5000
+    default_kv_soft_pin_ttl_ms: int = 30 * 60 * 1000
+    allow_evict_soft_pinned_objects: bool = True
+    client_ttl_s: float = 10.0
+    put_start_discard_timeout_s: float = 30.0
+    stripe_nbytes: int = 16 << 20
+    enable_offload: bool = False
+
+    def validate(self) -> None:
+        if self.allocation_strategy not in STRATEGIES:
+            raise InvalidParams(f"allocation_strategy must be one of {STRATEGIES}")
+        if not 0 < self.eviction_high_watermark_ratio <= 1 or not 0 < self.eviction_ratio <= 1:
+            raise InvalidParams("eviction ratios must be in (0, 1]")
+        if self.default_kv_lease_ttl_ms <= 0 or self.client_ttl_s <= 0:
+            raise InvalidParams("lease and client TTLs must be > 0")
+        if self.stripe_nbytes < 4096:
+            raise InvalidParams("stripe_nbytes must be >= 4096")
+
+
+@dataclass
+class PutConfig:
+    """Per-put options (the original's ReplicateConfig)."""
+
+    replica_num: int = 1
+    preferred_segments: list[str] = field(default_factory=list)
+    with_soft_pin: bool = False
+    upsert: bool = False
+
+
+@dataclass(eq=False)
+class ObjectMeta:
+    nbytes: int
+    replicas: list[MemoryReplica] = field(default_factory=list)   # complete, readable
+    pending: list[MemoryReplica] | None = None                   # being written
+    pending_nbytes: int = 0
+    writer: str = ""
+    started: float = 0.0
+    lease_until: float = 0.0
+    soft_pin_until: float = 0.0
+    disk_path: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.replicas) or self.disk_path is not None
+
+
+@dataclass(eq=False)
+class ClientInfo:
+    client_id: str
+    host_id: str
+    last_seen: float
+    segments: set[str] = field(default_factory=set)
+
+
+def check_key(key: object) -> str:
+    if not isinstance(key, str) or not key or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_NBYTES:
+        raise InvalidKey(f"keys are non-empty str of at most {MAX_KEY_NBYTES} bytes, got {key!r:.80}")
+    return key
+
+
+class MasterService:
+    """Object and segment metadata of one store cluster (thread-safe).
+
+    Args:
+        config: tunables.
+        clock: monotonic seconds (injectable for tests).
+        on_disk_drop: called with a disk replica's path once nothing refers to it.
+    """
+
+    def __init__(self, config: MasterConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_disk_drop: Callable[[str], None] | None = None) -> None:
+        self.config = config or MasterConfig()
+        self.config.validate()
+        self._clock = clock
+        self._on_disk_drop = on_disk_drop or (lambda path: None)
+        self._lock = threading.Lock()
+        self._objects: OrderedDict[str, ObjectMeta] = OrderedDict()   # LRU order, oldest first
+        self._segments: dict[str, MountedSegment] = {}
+        self._clients: dict[str, ClientInfo] = {}
+        self._deferred: list[tuple[float, MemoryReplica]] = []        # freed after a lease ends
+        self._rng = random.Random()
+        self.counters = {"puts": 0, "gets": 0, "removes": 0, "evicted": 0, "offloaded_evictions": 0,
+                         "expired_clients": 0, "discarded_puts": 0}
+
+    # -- clients and segments ---------------------------------------------------------
+    def register_client(self, client_id: str, host_id: str) -> None:
+        with self._lock:
+            c = self._clients.get(client_id)
+            if c is None:
+                self._clients[client_id] = ClientInfo(client_id, host_id, self._clock())
+            else:
+                c.last_seen = self._clock()
+
+    def heartbeat(self, client_id: str) -> None:
+        """Refresh a client's TTL. Raises ClientNotFound when it expired (it must remount)."""
+        with self._lock:
+            self._client(client_id).last_seen = self._clock()
+
+    def _client(self, client_id: str) -> ClientInfo:
+        c = self._clients.get(client_id)
+        if c is None:
+            raise ClientNotFound(f"client {client_id!r} is not registered with this master")
+        return c
+
+    def mount_segment(self, client_id: str, name: str, base: int, nbytes: int) -> None:
+        if not isinstance(name, str) or not name or base < 0 or nbytes < 4096:
+            raise InvalidParams(f"bad segment {name!r} base={base} nbytes={nbytes}")
+        with self._lock:
+            client = self._client(client_id)
+            if name in self._segments:
+                raise SegmentAlreadyExists(f"segment {name!r} is mounted already")
+            self._segments[name] = MountedSegment(name, client_id, base, nbytes, client.host_id)
+            client.segments.add(name)
+        log.info("mounted segment %s (%d bytes) of client %s", name, nbytes, client_id)
+
+    def unmount_segment(self, client_id: str, name: str) -> None:
+        with self._lock:
+            seg = self._segments.get(name)
+            if seg is None or seg.client_id != client_id:
+                raise StoreSegmentNotFound(f"client {client_id!r} has no segment {name!r}")
+            self._drop_segments({name})
+        log.info("unmounted segment %s of client %s", name, client_id)
+
+    def _drop_segments(self, names: set[str]) -> None:
+        """Forget segments and every replica on them (memory is gone with its owner)."""
+        for name in names:
+            seg = self._segments.pop(name, None)
+            if seg is not None:
+                c = self._clients.get(seg.client_id)
+                if c:
+                    c.segments.discard(name)
+        self._deferred = [(t, r) for t, r in self._deferred if not any(s[0] in names for s in r)]
+        for key in list(self._objects):
+            meta = self._objects[key]
+            meta.replicas = [r for r in meta.replicas if not self._on(r, names, free_rest=True)]
+            if meta.pending is not None and any(self._on(r, names) for r in meta.pending):
+                for r in meta.pending:
+                    self._on(r, names, free_rest=True)
+                meta.pending = None
+            if not meta.complete and meta.pending is None:
+                del self._objects[key]
+
+    def _on(self, replica: MemoryReplica, names: set[str], free_rest: bool = False) -> bool:
+        """Whether ``replica`` touches a dropped segment; optionally free its surviving shards."""
+        hit = any(s[0] in names for s in replica)
+        if hit and free_rest:
+            self._free([s for s in replica if s[0] not in names])
+        return hit
+
+    # -- allocation -------------------------------------------------------------------
+    def _free(self, replica: MemoryReplica) -> None:
+        for name, address, nbytes in replica:
+            seg = self._segments.get(name)
+            if seg is not None:
+                seg.allocator.free(address - seg.base, nbytes)
+
+    def _free_after_lease(self, meta: ObjectMeta, replicas: list[MemoryReplica]) -> None:
+        now = self._clock()
+        for r in replicas:
+            if meta.lease_until > now:
+                self._deferred.append((meta.lease_until, r))
+            else:
+                self._free(r)
+
+    def _allocate_replica(self, nbytes: int, candidates: list[MountedSegment]) -> MemoryReplica | None:
+        """Place one replica on ``candidates`` (striped when large); removes used ones from it."""
+        nshards = max(1, min(math.ceil(nbytes / self.config.stripe_nbytes), len(candidates)))
+        while nshards >= 1:
+            sizes = [nbytes // nshards + (1 if i < nbytes % nshards else 0) for i in range(nshards)]
+            placed: MemoryReplica = []
+            used: list[MountedSegment] = []
+            for size in sizes:
+                for seg in candidates:
+                    if seg in used:
+                        continue
+                    off = seg.allocator.allocate(size)
+                    if off is not None:
+                        placed.append((seg.name, seg.base + off, size))
+                        used.append(seg)
+                        break
+                else:
+                    break
+            if len(placed) == nshards:
+                for seg in used:
+                    candidates.remove(seg)
+                return placed
+            self._free(placed)
+            nshards = nshards - 1 if nshards > 1 else 0
+        return None
+
+    def _allocate(self, client_id: str, nbytes: int, cfg: PutConfig) -> list[MemoryReplica]:
+        client = self._clients.get(client_id)
+        candidates = order_segments(list(self._segments.values()), self.config.allocation_strategy,
+                                    cfg.preferred_segments, client.host_id if client else None,
+                                    self._rng)
+        if not candidates:
+            raise StoreSegmentNotFound("no segment is mounted: start a client with a global segment")
+        replicas: list[MemoryReplica] = []
+        for _ in range(cfg.replica_num):
+            r = self._allocate_replica(nbytes, candidates)
+            if r is None:
+                break
+            replicas.append(r)
+        if not replicas:
+            raise NoAvailableSpace(f"no room for {nbytes} bytes in {len(self._segments)} segments")
+        if len(replicas) < cfg.replica_num:
+            log.warning("only %d of %d replicas placed for %d bytes", len(replicas),
+                        cfg.replica_num, nbytes)
+        return replicas
+
+    def _capacity(self) -> tuple[int, int]:
+        total = sum(s.nbytes for s in self._segments.values())
+        used = sum(s.allocator.used for s in self._segments.values())
+        return used, total
+
+    def _evict(self, need_nbytes: int) -> int:
+        """Free space by LRU (leased and in-flight objects are skipped; soft-pinned go last)."""
+        used, total = self._capacity()
+        target = max(need_nbytes, int(total * self.config.eviction_ratio))
+        now = self._clock()
+        freed = 0
+        passes = [False, True] if self.config.allow_evict_soft_pinned_objects else [False]
+        for allow_pinned in passes:
+            for key in list(self._objects):
+                if freed >= target:
+                    return freed
+                meta = self._objects[key]
+                if (not meta.replicas or meta.pending is not None or meta.lease_until > now
+                        or (meta.soft_pin_until > now and not allow_pinned)):
+                    continue
+                freed += sum(s[2] for r in meta.replicas for s in r)
+                for r in meta.replicas:
+                    self._free(r)
+                meta.replicas = []
+                self.counters["evicted"] += 1
+                if meta.disk_path is not None:
+                    self.counters["offloaded_evictions"] += 1  # still readable from disk
+                else:
+                    del self._objects[key]
+        return freed
+
+    # -- puts ---------------------------------------------------------------------------
+    def put_start(self, client_id: str, key: str, nbytes: int, cfg: PutConfig) -> list[MemoryReplica]:
+        """Reserve replicas for ``key`` (invisible until put_end).
+
+        Raises:
+            InvalidKey, InvalidParams, ObjectAlreadyExists, NoAvailableSpace,
+            StoreSegmentNotFound, ClientNotFound.
+        """
+        check_key(key)
+        if not isinstance(nbytes, int) or not 0 < nbytes <= MAX_OBJECT_NBYTES:
+            raise InvalidParams(f"object size must be in (0, {MAX_OBJECT_NBYTES}], got {nbytes!r}")
+        if not 1 <= cfg.replica_num <= 16:
+            raise InvalidParams(f"replica_num must be in [1, 16], got {cfg.replica_num}")
+        with self._lock:
+            self._client(client_id)
+            now = self._clock()
+            meta = self._objects.get(key)
+            if meta is not None:
+                if meta.pending is not None:
+                    if now - meta.started < self.config.put_start_discard_timeout_s:
+                        raise ObjectAlreadyExists(f"{key!r} is being written by {meta.writer}")
+                    self._discard_pending(key, meta)
+                    meta = self._objects.get(key)
+                if meta is not None and meta.complete and not cfg.upsert:
+                    raise ObjectAlreadyExists(f"{key!r} exists; use upsert to replace it")
+            used, total = self._capacity()
+            if total and (used + nbytes * cfg.replica_num) > total * self.config.eviction_high_watermark_ratio:
+                self._evict(nbytes * cfg.replica_num)
+            try:
+                replicas = self._allocate(client_id, nbytes, cfg)
+            except NoAvailableSpace:
+                self._evict(nbytes * cfg.replica_num)
+                replicas = self._allocate(client_id, nbytes, cfg)
+            meta = self._objects.get(key)
+            if meta is None:
+                meta = self._objects[key] = ObjectMeta(nbytes)
+            meta.pending, meta.pending_nbytes, meta.writer, meta.started = replicas, nbytes, client_id, now
+            if cfg.with_soft_pin:
+                meta.soft_pin_until = now + self.config.default_kv_soft_pin_ttl_ms / 1000
+            return replicas
+
+    def put_end(self, client_id: str, key: str) -> None:
+        """Make the written replicas visible; an upserted object's old replicas are freed."""
+        with self._lock:
+            meta = self._objects.get(key)
+            if meta is None or meta.pending is None or meta.writer != client_id:
+                raise ObjectNotFound(f"no put of {key!r} by {client_id!r} is in progress "
+                                     f"(it may have been discarded or its segment lost)")
+            old = meta.replicas
+            meta.replicas, meta.pending = meta.pending, None
+            meta.nbytes = meta.pending_nbytes
+            if meta.disk_path is not None:
+                self._on_disk_drop(meta.disk_path)
+                meta.disk_path = None
+            self._free_after_lease(meta, old)
+            self._objects.move_to_end(key)
+            self.counters["puts"] += 1
+
+    def put_revoke(self, client_id: str, key: str) -> None:
+        with self._lock:
+            meta = self._objects.get(key)
+            if meta is None or meta.pending is None or meta.writer != client_id:
+                raise ObjectNotFound(f"no put of {key!r} by {client_id!r} is in progress")
+            self._discard_pending(key, meta)
+
+    def _discard_pending(self, key: str, meta: ObjectMeta) -> None:
+        for r in meta.pending or []:
+            self._free(r)
+        meta.pending = None
+        if not meta.complete:
+            del self._objects[key]
+
+    def add_disk_replica(self, key: str, path: str) -> None:
+        """Record an SSD-tier copy of a complete object (it survives eviction from memory)."""
+        if not self.config.enable_offload:
+            raise InvalidParams("the master was started without --enable_offload")
+        with self._lock:
+            meta = self._objects.get(key)
+            if meta is None or not meta.complete:
+                raise ObjectNotFound(f"{key!r} is not a complete object")
+            if meta.disk_path is not None and meta.disk_path != path:
+                self._on_disk_drop(meta.disk_path)
+            meta.disk_path = path
+
+    # -- reads --------------------------------------------------------------------------
+    def get(self, key: str) -> tuple[int, list[MemoryReplica], str | None, float]:
+        """Replicas of a complete object and a read lease.
+
+        Returns:
+            (nbytes, memory replicas, disk path or None, lease ttl in seconds).
+        Raises:
+            ObjectNotFound, ReplicaNotReady.
+        """
+        with self._lock:
+            meta = self._objects.get(key)
+            if meta is None:
+                raise ObjectNotFound(f"no object {key!r}")
+            if not meta.complete:
+                raise ReplicaNotReady(f"{key!r} is still being written")
+            ttl = self.config.default_kv_lease_ttl_ms / 1000
+            meta.lease_until = max(meta.lease_until, self._clock() + ttl)
+            self._objects.move_to_end(key)
+            self.counters["gets"] += 1
+            return meta.nbytes, [list(r) for r in meta.replicas], meta.disk_path, ttl
+
+    def exist(self, key: str) -> bool:
+        with self._lock:
+            meta = self._objects.get(key)
+            return meta is not None and meta.complete
+
+    # -- removal ------------------------------------------------------------------------
+    def remove(self, key: str, force: bool = False) -> None:
+        """Remove an object. Raises ObjectNotFound, or ObjectHasLease unless ``force``."""
+        with self._lock:
+            meta = self._objects.get(key)
+            if meta is None or not meta.complete:
+                raise ObjectNotFound(f"no object {key!r}")
+            self._remove(key, meta, force)
+
+    def _remove(self, key: str, meta: ObjectMeta, force: bool) -> None:
+        if meta.lease_until > self._clock() and not force:
+            raise ObjectHasLease(f"{key!r} is being read (lease); retry or force")
+        if meta.pending is not None:
+            for r in meta.pending:
+                self._free(r)
+        self._free_after_lease(meta, meta.replicas)
+        if meta.disk_path is not None:
+            self._on_disk_drop(meta.disk_path)
+        del self._objects[key]
+        self.counters["removes"] += 1
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        """Remove complete objects whose key matches ``pattern`` (re.search); returns the count."""
+        try:
+            rx = re.compile(pattern)
+        except re.error as exc:
+            raise InvalidParams(f"bad regex {pattern!r}: {exc}") from None
+        return self._remove_where(lambda k: rx.search(k) is not None, force)
+
+    def remove_all(self, force: bool = False) -> int:
+        return self._remove_where(lambda k: True, force)
+
+    def _remove_where(self, pred: Callable[[str], bool], force: bool) -> int:
+        n = 0
+        with self._lock:
+            for key in [k for k, m in self._objects.items() if m.complete and pred(k)]:
+                try:
+                    self._remove(key, self._objects[key], force)
+                    n += 1
+                except ObjectHasLease:
+                    continue
+        return n
+
+    # -- housekeeping -------------------------------------------------------------------
+    def reap(self) -> None:
+        """Expire silent clients, discard abandoned puts, free space whose lease ended."""
+        with self._lock:
+            now = self._clock()
+            dead = [c for c in self._clients.values() if now - c.last_seen > self.config.client_ttl_s]
+            for c in dead:
+                log.warning("client %s missed heartbeats for %.1f s: dropping its segments %s",
+                            c.client_id, now - c.last_seen, sorted(c.segments))
+                self._drop_segments(set(c.segments))
+                del self._clients[c.client_id]
+                self.counters["expired_clients"] += 1
+            for key, meta in list(self._objects.items()):
+                if meta.pending is not None and now - meta.started > self.config.put_start_discard_timeout_s:
+                    log.warning("discarding put of %r abandoned by %s", key, meta.writer)
+                    self._discard_pending(key, meta)
+                    self.counters["discarded_puts"] += 1
+            keep = []
+            for until, r in self._deferred:
+                if until > now:
+                    keep.append((until, r))
+                else:
+                    self._free(r)
+            self._deferred = keep
+
+    def stats(self) -> dict:
+        with self._lock:
+            used, total = self._capacity()
+            return {"objects": sum(1 for m in self._objects.values() if m.complete),
+                    "segments": len(self._segments), "clients": len(self._clients),
+                    "used_bytes": used, "capacity_bytes": total, **self.counters}

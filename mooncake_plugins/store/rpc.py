@@ -1,0 +1,241 @@
+"""The master's RPC: length-prefixed msgpack frames over TCP, every field validated.
+
+Request  ``u32 length | msgpack [req_id, method, {arg: value}]``
+Response ``u32 length | msgpack [req_id, code, result-or-message]`` (code 0 = ok, else the
+original ErrorCode). Batch methods take lists, so a batch costs one round trip. A frame
+that fails validation closes its connection with a logged error; the server keeps going.
+
+Server thread model: one accept thread, one thread per connection (blocking I/O with the
+GIL released in ``_native.tcp``). Client: a pool of connections, one per calling thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import struct
+import threading
+from typing import Any, Callable
+
+import msgpack
+
+from ..errors import MooncakeError, ProtocolError, RpcFailed, RpcTimeout, StoreError, store_error
+from ..transfer.transports.tcp import io
+
+log = logging.getLogger(__name__)
+
+LENGTH = struct.Struct("<I")
+MAX_FRAME_NBYTES = 64 << 20
+MAX_BATCH = 1 << 16
+
+
+class ListOf:
+    """Schema element: a list of ``item`` values, at most ``MAX_BATCH`` long."""
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
+
+
+Schema = dict[str, Any]
+
+
+def _check(value: Any, spec: Any, where: str) -> None:
+    if isinstance(spec, ListOf):
+        if not isinstance(value, list) or len(value) > MAX_BATCH:
+            raise ProtocolError(f"{where} must be a list of at most {MAX_BATCH} items")
+        for i, v in enumerate(value):
+            _check(v, spec.item, f"{where}[{i}]")
+    elif isinstance(spec, dict):
+        if not isinstance(value, dict) or set(value) - set(spec):
+            raise ProtocolError(f"{where} must be a map with keys among {sorted(spec)}")
+        for k, v in value.items():
+            _check(v, spec[k], f"{where}.{k}")
+    elif spec is int:
+        if not isinstance(value, int) or isinstance(value, bool) or not -(1 << 63) <= value < (1 << 64):
+            raise ProtocolError(f"{where} must be an int")
+    elif not isinstance(value, spec):
+        raise ProtocolError(f"{where} must be {getattr(spec, '__name__', spec)}")
+
+
+def validate_args(args: Any, schema: Schema, method: str) -> dict[str, Any]:
+    """Every argument present, of the declared type, and nothing else."""
+    if not isinstance(args, dict) or set(args) != set(schema):
+        raise ProtocolError(f"{method} takes exactly {sorted(schema)}")
+    for name, spec in schema.items():
+        _check(args[name], spec, f"{method}.{name}")
+    return args
+
+
+def _pack(obj: Any) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return LENGTH.pack(len(body)) + body
+
+
+def _unpack(fd: int) -> Any:
+    (n,) = LENGTH.unpack(io.recv_exact(fd, LENGTH.size))
+    if not 0 < n <= MAX_FRAME_NBYTES:
+        raise ProtocolError(f"frame of {n} bytes is outside (0, {MAX_FRAME_NBYTES}]")
+    try:
+        return msgpack.unpackb(io.recv_exact(fd, n), raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ProtocolError(f"frame is not valid msgpack: {exc}") from None
+
+
+Handler = tuple[Schema, Callable[..., Any]]
+
+
+class RpcServer:
+    """Serves ``handlers`` (method -> (schema, fn(**args))) on ``host:port``.
+
+    ``fn`` raises StoreError for an error reply; anything else is logged as an internal
+    error (-1) and the connection stays open.
+    """
+
+    def __init__(self, host: str, port: int, handlers: dict[str, Handler],
+                 gate: Callable[[], None] | None = None) -> None:
+        self._handlers = handlers
+        self._gate = gate
+        self._listener = socket.create_server((host, port), backlog=256)
+        self.port: int = self._listener.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name=f"mc-rpc-{self.port}", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn, addr), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, addr: Any) -> None:
+        fd = conn.fileno()
+        try:
+            while True:
+                frame = _unpack(fd)
+                if (not isinstance(frame, list) or len(frame) != 3 or not isinstance(frame[0], int)
+                        or not isinstance(frame[1], str)):
+                    raise ProtocolError("request must be [req_id, method, args]")
+                req_id, method, args = frame
+                handler = self._handlers.get(method)
+                if handler is None:
+                    raise ProtocolError(f"unknown method {method!r}")
+                schema, fn = handler
+                validate_args(args, schema, method)
+                try:
+                    if self._gate is not None:
+                        self._gate()
+                    reply = [req_id, 0, fn(**args)]
+                except StoreError as exc:
+                    reply = [req_id, exc.code, str(exc)]
+                except MooncakeError as exc:
+                    reply = [req_id, exc.code if exc.code < 0 else -1, str(exc)]
+                except Exception as exc:  # a bug in a handler must not kill the connection
+                    log.exception("%s from %s failed", method, addr)
+                    reply = [req_id, -1, f"internal error: {exc!r}"]
+                io.send_frame(fd, _pack(reply), 0, 0)
+        except ProtocolError as exc:
+            log.error("closing rpc connection from %s: malformed frame: %s", addr, exc)
+        except (ConnectionError, TimeoutError):
+            pass
+        except OSError as exc:
+            if not self._closed:
+                log.warning("rpc connection from %s failed: %s", addr, exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        for s in [self._listener, *conns]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._listener.close()
+        self._thread.join(5)
+
+
+class RpcClient:
+    """Calls one server; thread-safe (each call borrows a pooled connection)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float = 10.0) -> None:
+        self.host, self.port = host, port
+        self._timeout_s = timeout_s
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _connect(self) -> socket.socket:
+        try:
+            s = socket.create_connection((self.host, self.port), timeout=self._timeout_s)
+        except OSError as exc:
+            raise RpcFailed(f"cannot reach master {self.address}: {exc}") from exc
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.settimeout(None)
+        sec = int(self._timeout_s)
+        tv = struct.pack("ll", sec, int((self._timeout_s - sec) * 1e6))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        return s
+
+    def call(self, method: str, **args: Any) -> Any:
+        """Send one request and wait for its reply (blocking).
+
+        Raises:
+            StoreError subclass for an error reply, RpcTimeout, RpcFailed.
+        """
+        with self._lock:
+            if self._closed:
+                raise RpcFailed(f"rpc client to {self.address} is closed")
+            s = self._idle.pop() if self._idle else None
+        if s is None:
+            s = self._connect()
+        rid = next(self._ids)
+        healthy = False
+        try:
+            fd = s.fileno()
+            io.send_frame(fd, _pack([rid, method, args]), 0, 0)
+            reply = _unpack(fd)
+            if (not isinstance(reply, list) or len(reply) != 3 or reply[0] != rid
+                    or not isinstance(reply[1], int)):
+                raise ProtocolError(f"bad reply to {method}")
+            healthy = True
+        except TimeoutError as exc:
+            raise RpcTimeout(f"{method} to master {self.address} timed out") from exc
+        except (OSError, ProtocolError) as exc:
+            raise RpcFailed(f"{method} to master {self.address} failed: {exc}") from exc
+        finally:
+            if healthy and not self._closed:
+                with self._lock:
+                    self._idle.append(s)
+            else:
+                s.close()
+        if reply[1] != 0:
+            raise store_error(reply[1], str(reply[2]))
+        return reply[2]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()

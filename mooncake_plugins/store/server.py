@@ -1,0 +1,191 @@
+"""The master process: MasterService behind RPC, heartbeat reaper, metrics, HA, metadata server.
+
+``MasterServer.start()`` blocks only while campaigning for leadership (HA mode); then the
+RPC port serves until ``close()``. A leader that loses its etcd lease stops answering
+(every call fails with NotSupported "not the leader") so clients move to the new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import InvalidParams, MooncakeError, NotSupported
+from .master import MasterConfig, MasterService, PutConfig
+from .rpc import ListOf, RpcServer
+
+log = logging.getLogger(__name__)
+
+PUT_CONFIG = {"replica_num": int, "preferred_segments": ListOf(str), "with_soft_pin": bool,
+              "upsert": bool}
+
+
+def _each(keys: list[str], fn: Callable[[str], Any]) -> list[list]:
+    """Run ``fn`` per key; a failure becomes ``[code, message]`` for that key only."""
+    out = []
+    for k in keys:
+        try:
+            out.append([0, fn(k)])
+        except MooncakeError as exc:
+            out.append([exc.code, str(exc)])
+    return out
+
+
+@dataclass
+class ServerOptions:
+    """Process-level options of ``mooncake-master`` (the rest is MasterConfig)."""
+
+    host: str = "127.0.0.1"
+    rpc_port: int = 50051
+    metrics_port: int = 0                 # 0: no Prometheus endpoint
+    http_metadata_port: int | None = None  # None: no embedded metadata server
+    http_metadata_host: str | None = None  # None: same as host
+    enable_ha: bool = False
+    etcd_endpoints: str = ""
+    cluster_id: str = "mooncake"
+    reap_interval_s: float = 0.5
+
+
+class MasterServer:
+    """One master process (leader or, in HA mode, a candidate)."""
+
+    def __init__(self, config: MasterConfig, options: ServerOptions) -> None:
+        self.config = config
+        self.options = options
+        self.service = MasterService(config, on_disk_drop=self._unlink)
+        self._rpc: RpcServer | None = None
+        self._metadata = None
+        self._metrics = None
+        self._election = None
+        self._stop = threading.Event()
+        self.lost_leadership = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="mc-master-reaper", daemon=True)
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not delete offloaded file %s: %s", path, exc)
+
+    @property
+    def port(self) -> int:
+        assert self._rpc is not None, "start() first"
+        return self._rpc.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.options.host}:{self.port}"
+
+    def start(self, stop: threading.Event | None = None) -> bool:
+        """Start serving (after winning the election in HA mode). False if stopped first."""
+        opts = self.options
+        if opts.http_metadata_port is not None:
+            from ..transfer.metadata import MetadataServer
+
+            self._metadata = MetadataServer(opts.http_metadata_host or opts.host,
+                                            opts.http_metadata_port).start()
+            log.info("embedded metadata server at %s", self._metadata.url)
+        if opts.metrics_port:
+            from .metrics import serve_metrics
+
+            self._metrics = serve_metrics(self.service, opts.host, opts.metrics_port)
+        if opts.enable_ha:
+            from .ha import LeaderElection
+
+            if opts.rpc_port == 0:
+                raise NotSupported("HA mode needs a fixed --rpc_port to advertise")
+            self._election = LeaderElection(opts.etcd_endpoints, opts.cluster_id,
+                                            f"{opts.host}:{opts.rpc_port}")
+            log.info("campaigning for leadership of cluster %s", opts.cluster_id)
+            if not self._election.campaign(stop=stop):
+                return False
+            self._election.on_lost(self._on_lost)
+            log.info("elected leader of cluster %s", opts.cluster_id)
+        self._rpc = RpcServer(opts.host, opts.rpc_port, self._handlers(), gate=self._gate)
+        self._reaper.start()
+        log.info("master serving on %s:%d", opts.host, self._rpc.port)
+        return True
+
+    def _on_lost(self) -> None:
+        log.error("lost leadership of cluster %s: refusing every call from now on",
+                  self.options.cluster_id)
+        self.lost_leadership.set()
+
+    def _gate(self) -> None:
+        if self.lost_leadership.is_set():
+            raise NotSupported("this master is not the leader any more")
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(self.options.reap_interval_s):
+            try:
+                self.service.reap()
+            except Exception:  # keep reaping whatever one pass hit
+                log.exception("reaper pass failed")
+
+    def _handlers(self) -> dict:
+        s = self.service
+        cfg = self.config
+
+        def register_client(client_id: str, host_id: str) -> dict:
+            s.register_client(client_id, host_id)
+            return {"lease_ttl_ms": cfg.default_kv_lease_ttl_ms, "client_ttl_s": cfg.client_ttl_s,
+                    "enable_offload": cfg.enable_offload}
+
+        def put_start(client_id: str, keys: list, sizes: list, config: dict) -> list:
+            if len(keys) != len(sizes):
+                raise InvalidParams("keys and sizes differ in length")
+            s.heartbeat(client_id)  # an unknown client fails the whole call: it re-registers
+            pc = PutConfig(**config)
+            it = iter(sizes)
+            return _each(keys, lambda k: s.put_start(client_id, k, next(it), pc))
+
+        def get_replicas(keys: list) -> list:
+            return _each(keys, lambda k: list(s.get(k)))
+
+        def add_disk_replica(keys: list, paths: list) -> list:
+            if len(keys) != len(paths):
+                raise InvalidParams("keys and paths differ in length")
+            it = iter(paths)
+            return _each(keys, lambda k: s.add_disk_replica(k, next(it)))
+
+        cid, keys = {"client_id": str}, {"keys": ListOf(str)}
+        return {
+            "register_client": ({"client_id": str, "host_id": str}, register_client),
+            "heartbeat": (cid, s.heartbeat),
+            "mount_segment": ({**cid, "segment": str, "base": int, "nbytes": int},
+                              lambda client_id, segment, base, nbytes:
+                              s.mount_segment(client_id, segment, base, nbytes)),
+            "unmount_segment": ({**cid, "segment": str},
+                                lambda client_id, segment: s.unmount_segment(client_id, segment)),
+            "put_start": ({**cid, **keys, "sizes": ListOf(int), "config": PUT_CONFIG}, put_start),
+            "put_end": ({**cid, **keys},
+                        lambda client_id, keys: _each(keys, lambda k: s.put_end(client_id, k))),
+            "put_revoke": ({**cid, **keys},
+                           lambda client_id, keys: _each(keys, lambda k: s.put_revoke(client_id, k))),
+            "get_replicas": (keys, get_replicas),
+            "exist": (keys, lambda keys: [int(s.exist(k)) for k in keys]),
+            "remove": ({**keys, "force": bool},
+                       lambda keys, force: _each(keys, lambda k: s.remove(k, force))),
+            "remove_by_regex": ({"pattern": str, "force": bool}, s.remove_by_regex),
+            "remove_all": ({"force": bool}, s.remove_all),
+            "add_disk_replica": ({**keys, "paths": ListOf(str)}, add_disk_replica),
+            "stats": ({}, s.stats),
+        }
+
+    def close(self) -> None:
+        """Stop serving, resign leadership and stop every helper server."""
+        self._stop.set()
+        if self._rpc is not None:
+            self._rpc.close()
+        if self._election is not None:
+            self._election.close()
+        if self._metadata is not None:
+            self._metadata.stop()
+        if self._metrics is not None:
+            self._metrics.shutdown()

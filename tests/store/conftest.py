@@ -1,0 +1,101 @@
+"""Store fixtures: masters and client nodes as real processes, or an in-process master."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from helpers import spawn_ready, terminate_group
+
+from mooncake_plugins.store.master import MasterConfig
+from mooncake_plugins.store.server import MasterServer, ServerOptions
+
+NODE = str(Path(__file__).with_name("node.py"))
+MASTER = [sys.executable, "-m", "mooncake_plugins.cli.master"]
+
+
+class Node:
+    """A ``node.py`` process: a store client with a segment, driven line by line."""
+
+    def __init__(self, master: str, *extra: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, NODE, "--master", master, *extra],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        line = self.readline(30)
+        if not line.startswith("READY "):
+            terminate_group(self.proc)
+            raise RuntimeError(f"store node did not start: {line!r}")
+        self.segment = json.loads(line[6:])["segment"]
+
+    def readline(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return self.proc.stdout.readline().decode().strip()
+        raise TimeoutError("store node did not answer in time")
+
+    def ask(self, line: str, timeout_s: float = 60) -> str:
+        self.proc.stdin.write((line + "\n").encode())
+        self.proc.stdin.flush()
+        return self.readline(timeout_s)
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write(b"quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            terminate_group(self.proc)
+            self.proc.stdin.close()
+            self.proc.stdout.close()
+
+
+@pytest.fixture
+def master_process() -> Iterator:
+    """Factory: ``master_process(*flags)`` -> (Popen, "127.0.0.1:<port>")."""
+    procs = []
+
+    def start(*flags: str, timeout_s: float = 30) -> tuple[subprocess.Popen, str]:
+        proc, port = spawn_ready(MASTER + ["--rpc_port", "0", *flags], timeout_s=timeout_s)
+        procs.append(proc)
+        return proc, f"127.0.0.1:{port}"
+
+    yield start
+    for p in procs:
+        terminate_group(p)
+
+
+@pytest.fixture
+def nodes() -> Iterator:
+    """Factory: ``nodes(master, *flags)`` starts a store node process, closed after the test."""
+    started: list[Node] = []
+
+    def start(master: str, *flags: str) -> Node:
+        node = Node(master, *flags)
+        started.append(node)
+        return node
+
+    yield start
+    for n in started:
+        n.close()
+
+
+@pytest.fixture
+def master() -> Iterator[MasterServer]:
+    """An in-process master on a free port (short TTLs so fault tests are quick)."""
+    server = MasterServer(MasterConfig(client_ttl_s=2.0, default_kv_lease_ttl_ms=500),
+                          ServerOptions(rpc_port=0))
+    server.start()
+    yield server
+    server.close()

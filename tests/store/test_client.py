@@ -1,0 +1,162 @@
+"""StoreClient API against an in-process master: semantics, bad input, SSD tier."""
+
+import ctypes
+import os
+import time
+
+import numpy as np
+import pytest
+from helpers import wait_until
+
+from mooncake_plugins.errors import (BufferTooSmall, InvalidKey, InvalidParams, NoAvailableSpace,
+                                     ObjectAlreadyExists, ObjectHasLease, ObjectNotFound,
+                                     RpcFailed)
+from mooncake_plugins.store.client import ReplicateConfig, StoreClient
+from mooncake_plugins.store.master import MasterConfig
+from mooncake_plugins.store.server import MasterServer, ServerOptions
+
+
+@pytest.fixture
+def pair(master):
+    a = StoreClient(master.address, global_segment_size=16 << 20)
+    b = StoreClient(master.address, global_segment_size=16 << 20)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_round_trips_of_every_shape(pair):
+    a, b = pair
+    a.put("bytes", b"abc")
+    a.put("array", np.arange(1000, dtype=np.int64))
+    a.put_parts("parts", b"head-", memoryview(b"body-"), bytearray(b"tail"))
+    assert b.get("bytes") == b"abc"
+    assert np.array_equal(np.frombuffer(b.get("array"), dtype=np.int64), np.arange(1000))
+    assert b.get("parts") == b"head-body-tail"
+    assert b.size("array") == 8000
+    assert b.batch_exists(["bytes", "nope"]) == [True, False]
+
+
+def test_zero_copy_from_and_into_registered_buffers(pair):
+    a, b = pair
+    src = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8)
+    dst = np.zeros(4 << 20, dtype=np.uint8)
+    a.register_buffer(src.ctypes.data, src.nbytes)
+    b.register_buffer(dst.ctypes.data, dst.nbytes)
+    a.put_from("z", src.ctypes.data, src.nbytes, ReplicateConfig(replica_num=2))
+    assert b.get_into("z", dst.ctypes.data, dst.nbytes) == src.nbytes
+    assert np.array_equal(dst[:src.nbytes], src)
+    with pytest.raises(BufferTooSmall):
+        b.get_into("z", dst.ctypes.data, 100)
+    # scatter/gather: an object made of two pieces, read back into three
+    pieces = [(src.ctypes.data, 1000), (src.ctypes.data + 5000, 3000)]
+    assert a.batch_put_from_parts(["sg"], [pieces]) == [None]
+    out = [(dst.ctypes.data, 10), (dst.ctypes.data + 100, 2000), (dst.ctypes.data + 3000, 5000)]
+    assert b.batch_get_into_parts(["sg"], [out]) == [4000]
+    want = np.concatenate([src[:1000], src[5000:8000]])
+    got = np.concatenate([dst[:10], dst[100:2100], dst[3000:4990]])
+    assert np.array_equal(got, want)
+    a.unregister_buffer(src.ctypes.data)
+    b.unregister_buffer(dst.ctypes.data)
+
+
+def test_unregistered_memory_is_refused(pair):
+    a, _ = pair
+    buf = ctypes.create_string_buffer(4096)
+    addr = ctypes.addressof(buf)
+    errors = a.batch_put_from(["u"], [addr], [4096])
+    assert errors[0] is not None
+    assert not a.exists("u")  # the reserved space was revoked
+
+
+def test_batches_report_per_key(pair):
+    a, b = pair
+    assert a.batch_put(["b1", "b2"], [b"1", b"22"]) == [None, None]
+    errs = a.batch_put(["b1", "b3"], [b"x", b"333"])
+    assert isinstance(errs[0], ObjectAlreadyExists) and errs[1] is None
+    got = b.batch_get(["b1", "missing", "b3"])
+    assert got[0] == b"1" and isinstance(got[1], ObjectNotFound) and got[2] == b"333"
+    assert [type(e) if e else None for e in b.batch_remove(["b1", "zz"], force=True)] == [None, ObjectNotFound]
+
+
+def test_upsert_remove_and_regex(pair):
+    a, b = pair
+    a.put("k", b"one")
+    a.upsert("k", b"two!")
+    assert b.get("k") == b"two!"
+    for i in range(5):
+        a.put(f"grp/{i}", b"x")
+    assert b.remove_by_regex(r"^grp/[0-2]$") == 3
+    b.get("k")  # takes a lease
+    with pytest.raises(ObjectHasLease):
+        b.remove("k")
+    assert wait_until(lambda: not _has_lease(b, "k"), 5)
+    b.remove("k")
+    assert not a.exists("k")
+    assert a.remove_all() == 2
+
+
+def _has_lease(client, key):
+    try:
+        client.remove(key)
+        client.put(key, b"two!")  # put it back for the caller to remove
+        return False
+    except ObjectHasLease:
+        return True
+
+
+def test_bad_inputs(pair):
+    a, _ = pair
+    with pytest.raises(InvalidKey):
+        a.put("", b"x")
+    with pytest.raises(InvalidKey):
+        a.put("k" * 5000, b"x")
+    with pytest.raises(InvalidParams):
+        a.put("empty", b"")
+    with pytest.raises(NoAvailableSpace):
+        a.put("huge", bytearray(64 << 20))
+    with pytest.raises(ObjectNotFound):
+        a.get("never")
+    with pytest.raises(ObjectNotFound):
+        a.size("never")
+    with pytest.raises(InvalidParams):
+        a.batch_put(["a", "b"], [b"1"])
+    with pytest.raises(RpcFailed):
+        StoreClient("127.0.0.1:1", global_segment_size=0, rpc_timeout_s=2)
+
+
+def test_ssd_tier_keeps_evicted_objects_readable(tmp_path):
+    server = MasterServer(MasterConfig(enable_offload=True, eviction_ratio=0.3),
+                          ServerOptions(rpc_port=0))
+    server.start()
+    try:
+        with StoreClient(server.address, global_segment_size=4 << 20, enable_ssd_offload=True,
+                         ssd_offload_path=str(tmp_path)) as writer, \
+                StoreClient(server.address, global_segment_size=0) as reader:
+            blobs = {f"s{i}": os.urandom(512 << 10) for i in range(24)}  # 12 MiB into 4 MiB
+            for k, v in blobs.items():
+                writer.put(k, v)
+                writer.flush_offload()
+            st = writer.stats()
+            assert st["offloaded_evictions"] > 0 and st["objects"] == 24
+            for k, v in blobs.items():
+                assert reader.get(k) == v
+            files = list(tmp_path.rglob("*.obj"))
+            assert len(files) == 24
+            writer.remove("s0", force=True)
+            assert len(list(tmp_path.rglob("*.obj"))) == 23  # the file goes with the object
+    finally:
+        server.close()
+
+
+def test_client_reregisters_after_expiry(master):
+    c = StoreClient(master.address, global_segment_size=1 << 20)
+    try:
+        c._stop.set()  # silence heartbeats: the master expires us (ttl 2 s)
+        c._heartbeat.join()
+        assert wait_until(lambda: master.service.stats()["clients"] == 0, 10)
+        c.put("after-expiry", b"ok")  # ClientNotFound -> register + remount -> retry
+        assert c.get("after-expiry") == b"ok"
+        assert master.service.stats()["segments"] == 1
+    finally:
+        c.close()
