@@ -7,8 +7,10 @@ so a ``bytearray`` cannot be resized (and its memory moved) under a peer's trans
 
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_ANY_CONTIGUOUS,
                              PyBUF_WRITABLE, PyBUF_SIMPLE)
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport uintptr_t
+from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
 cdef extern from "Python.h":
@@ -59,3 +61,38 @@ def copy(uintptr_t dst, uintptr_t src, size_t nbytes) -> None:
     """memcpy ``nbytes`` from ``src`` to ``dst`` without the GIL (caller checked bounds)."""
     with nogil:
         memcpy(<void *>dst, <const void *>src, nbytes)
+
+
+def empty_bytes(Py_ssize_t nbytes) -> bytes:
+    """A new, uninitialised bytes object for a reader to fill before anyone sees it."""
+    if nbytes < 0:
+        raise ValueError("nbytes must be >= 0")
+    return PyBytes_FromStringAndSize(NULL, nbytes)
+
+
+def copy_many(list copies) -> None:
+    """memcpy each ``(dst, src, nbytes)`` of ``copies``, all without the GIL."""
+    cdef Py_ssize_t k = len(copies), i
+    cdef uintptr_t *dst
+    cdef uintptr_t *src
+    cdef size_t *n
+    if k == 0:
+        return
+    dst = <uintptr_t *>malloc(k * sizeof(uintptr_t))
+    src = <uintptr_t *>malloc(k * sizeof(uintptr_t))
+    n = <size_t *>malloc(k * sizeof(size_t))
+    try:
+        if dst == NULL or src == NULL or n == NULL:
+            raise MemoryError()
+        for i in range(k):
+            d, s, m = copies[i]
+            dst[i] = d
+            src[i] = s
+            n[i] = m
+        with nogil:
+            for i in range(k):
+                memcpy(<void *>dst[i], <const void *>src[i], n[i])
+    finally:
+        free(dst)
+        free(src)
+        free(n)

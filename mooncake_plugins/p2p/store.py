@@ -128,7 +128,8 @@ def _decode_record(name: str, raw: bytes) -> ObjectInfo:
     try:
         obj = msgpack.unpackb(raw, raw=False)
         parts = obj["part_nbytes"]
-        if (obj.get("v") != 1 or not isinstance(obj["id"], str) or not isinstance(obj["provider"], str)
+        if (obj.get("v") != 1 or not isinstance(obj["id"], str)
+                or not isinstance(obj["provider"], str)
                 or not isinstance(parts, list) or not parts
                 or not all(_is_int(n) and n > 0 for n in parts)):
             raise ValueError("unexpected fields")
@@ -325,8 +326,9 @@ def _part_of(buf: Buffer) -> tuple[int, int, Any]:
     try:
         address, nbytes = address_of(buf)
     except (TypeError, ValueError, BufferError) as exc:
-        raise InvalidArgument(f"cannot use {type(buf).__name__} as a P2P buffer: {exc}; pass a "
-                              f"contiguous buffer, a CPU tensor or an (address, nbytes) pair") from exc
+        raise InvalidArgument(f"cannot use {type(buf).__name__} as a P2P buffer: {exc}; pass "
+                              "a contiguous buffer, a CPU tensor or an (address, nbytes) "
+                              "pair") from exc
     return address, nbytes, buf
 
 
@@ -490,18 +492,22 @@ class P2PStore:
             self._held[name] = None
 
     def _settle(self, name: str, holding: _Holding | None) -> None:
+        """End an operation on ``name``: record what is now held (or nothing)."""
         with self._lock:
-            if holding is None:
-                self._held.pop(name, None)
-            else:
+            if holding is not None and not self._closed:
                 self._held[name] = holding
+                return
+            self._held.pop(name, None)
+        if holding is not None:  # close() ran meanwhile: do not leave it published
+            self._withdraw(holding, quiet=True)
 
     def _holder_value(self, parts: list[tuple[int, int]]) -> bytes:
         return msgpack.packb({"segment": self.segment, "addresses": [a for a, _ in parts]},
                              use_bin_type=True)
 
     # -- register --------------------------------------------------------------------------
-    def register(self, name: str, buffers: Sequence[Buffer], *, replace: bool = False) -> ObjectInfo:
+    def register(self, name: str, buffers: Sequence[Buffer], *,
+                 replace: bool = False) -> ObjectInfo:
         """Publish ``buffers`` (the object's parts, in order) under ``name``; this node serves it.
 
         Buffers not yet registered with the engine are registered (and unregistered by
@@ -541,7 +547,8 @@ class P2PStore:
             self._settle(name, holding)
 
     # -- get_replica -----------------------------------------------------------------------
-    def get_replica(self, name: str, buffers: Sequence[Buffer], *, serve: bool = True) -> ReadReport:
+    def get_replica(self, name: str, buffers: Sequence[Buffer], *,
+                    serve: bool = True) -> ReadReport:
         """Fill ``buffers`` (same part sizes as registered) from the object's holders.
 
         Chunks are spread over the holders other than the provider (least recently chosen

@@ -24,7 +24,7 @@ from ..config import EngineConfig
 from ..errors import (BufferTooSmall, ClientNotFound, InvalidParams, LeaseExpired, MooncakeError,
                       NotSupported, ObjectNotFound, RpcFailed, StoreError, StoreTransferFailed,
                       store_error)
-from ..transfer import OpCode, TransferEngine, TransferRequest
+from ..transfer import OpCode, TransferEngine, TransferRequest, memory
 from ..transfer.topology import host_id
 from . import offload
 from .rpc import RpcClient
@@ -362,13 +362,15 @@ class StoreClient:
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | StoreError]:
         """Objects' bytes, or a per-key error."""
-        bufs: dict[int, bytearray] = {}
+        bufs: dict[int, Any] = {}
         regions = []
 
         def dest(i: int, nbytes: int) -> list[tuple[int, int]]:
-            bufs[i] = bytearray(nbytes)
-            regions.append(self.engine.register(bufs[i], private=True))
-            return [(regions[-1].address, nbytes)]
+            # A fresh bytes object is filled in place (native build): no second copy.
+            bufs[i] = memory.empty_bytes(nbytes)
+            address, _ = memory.address_of(bufs[i])
+            regions.append(self.engine.register_address(address, nbytes, private=True))
+            return [(address, nbytes)]
 
         try:
             res = self._get(list(keys), dest)

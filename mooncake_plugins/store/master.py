@@ -377,8 +377,9 @@ class MasterService:
         Returns:
             (nbytes, memory replicas, disk path or None, lease ttl in seconds).
         Raises:
-            ObjectNotFound, ReplicaNotReady.
+            InvalidKey, ObjectNotFound, ReplicaNotReady.
         """
+        check_key(key)
         with self._lock:
             meta = self._objects.get(key)
             if meta is None:
@@ -392,13 +393,15 @@ class MasterService:
             return meta.nbytes, [list(r) for r in meta.replicas], meta.disk_path, ttl
 
     def exist(self, key: str) -> bool:
+        """Whether a complete object is stored under ``key`` (an invalid key never is)."""
         with self._lock:
             meta = self._objects.get(key)
             return meta is not None and meta.complete
 
     # -- removal ------------------------------------------------------------------------
     def remove(self, key: str, force: bool = False) -> None:
-        """Remove an object. Raises ObjectNotFound, or ObjectHasLease unless ``force``."""
+        """Remove an object. Raises InvalidKey, ObjectNotFound, or ObjectHasLease unless ``force``."""
+        check_key(key)
         with self._lock:
             meta = self._objects.get(key)
             if meta is None or not meta.complete:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import InvalidArgument, MooncakeError, TransferTimeout
 
@@ -33,22 +33,26 @@ class TransferStatus(enum.IntEnum):
     FAILED = 6
 
 
-@dataclass(frozen=True)
-class TransferRequest:
-    """Move ``nbytes`` between local ``local_address`` and the target's ``remote_address``."""
+class TransferRequest(NamedTuple):
+    """Move ``nbytes`` between local ``local_address`` and the target's ``remote_address``.
+
+    A plain tuple, cheap to build by the thousand; ``TransferEngine.submit`` validates it.
+    """
 
     op: OpCode
     local_address: int
     remote_address: int
     nbytes: int
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.op, OpCode):
-            raise InvalidArgument(f"op must be OpCode.READ or OpCode.WRITE, got {self.op!r}")
-        for name in ("local_address", "remote_address", "nbytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
+
+def validate_request(r: TransferRequest) -> None:
+    """Raise InvalidArgument unless ``r`` has an OpCode and non-negative int fields."""
+    if not isinstance(r.op, OpCode):
+        raise InvalidArgument(f"op must be OpCode.READ or OpCode.WRITE, got {r.op!r}")
+    for name in ("local_address", "remote_address", "nbytes"):
+        v = getattr(r, name)
+        if type(v) is not int or v < 0:
+            raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
 
 
 class Batch:
@@ -76,12 +80,14 @@ class Batch:
         if self._open == 0:
             self._done_event.set()
 
-    def slice_done(self, index: int, error: MooncakeError | None = None) -> None:
+    def slices_done(self, results: list[tuple[int, MooncakeError | None]]) -> None:
+        """Record finished slices as ``(request index, error or None)`` pairs."""
         with self._lock:
-            self._left[index] -= 1
-            if error is not None and self._errors[index] is None:
-                self._errors[index] = error
-            self._open -= 1
+            for index, error in results:
+                self._left[index] -= 1
+                if error is not None and self._errors[index] is None:
+                    self._errors[index] = error
+            self._open -= len(results)
             if self._open == 0:
                 self._done_event.set()
 

@@ -24,7 +24,7 @@ from ..config import EngineConfig
 from ..errors import (AddressError, InvalidArgument, MetadataError, MooncakeError,
                       SegmentNotFound, TransferError, TransportUnavailable)
 from . import memory, protocol
-from .batch import Batch, OpCode, TransferRequest
+from .batch import Batch, OpCode, TransferRequest, validate_request
 from .metadata import MetadataStore, from_url
 from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor, check_range
 from .topology import host_id
@@ -36,6 +36,7 @@ from .transports.tcp import TcpServer, TcpTransport
 log = logging.getLogger(__name__)
 
 METADATA_PREFIX = "mooncake/segments/"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 P2P = "P2PHANDSHAKE"
 
 
@@ -59,7 +60,11 @@ class _Memfd:
         self.fd = shm_impl.memfd_create(name)
         try:
             os.ftruncate(self.fd, nbytes)
-            self.map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # Reserve the pages now: a full /dev/shm fails here with ENOSPC instead of a
+            # SIGBUS on first touch, and peers' first writes do not pay for zeroing pages.
+            os.posix_fallocate(self.fd, 0, nbytes)
+            self.map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED | _POPULATE,
+                                 mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.close(self.fd)
             raise
@@ -330,6 +335,7 @@ class TransferEngine:
         peer = self.open_segment(segment)
         reqs = list(requests)
         for r in reqs:
+            validate_request(r)
             check_range(r.remote_address, r.nbytes)
             if r.nbytes:
                 if self._regions.find(r.local_address, r.nbytes).readonly and r.op == OpCode.READ:
@@ -343,12 +349,13 @@ class TransferEngine:
         step = self.config.slice_nbytes
         for index, r in enumerate(reqs):
             op = OP_WRITE if r.op == OpCode.WRITE else OP_READ
+            if r.nbytes:
+                batch.add_slices(index, -(-r.nbytes // step))
             for off in range(0, r.nbytes, step):
                 n = min(step, r.nbytes - off)
-                batch.add_slices(index, 1)
                 current.append((index, op, r.local_address + off, r.remote_address + off, n))
                 budget += n
-                if budget >= step or len(current) >= 16:
+                if budget >= step or len(current) >= 64:
                     tasks.append(current)
                     current, budget = [], 0
         if current:
@@ -377,21 +384,32 @@ class TransferEngine:
 
     def _run_task(self, peer: Peer, paths: list[Transport], batch: Batch,
                   task: list[tuple[int, int, int, int, int]]) -> None:
-        for index, op, local, remote, n in task:
-            error: MooncakeError | None = None
-            region = None
-            try:
-                region = self._regions.acquire(local, n)
-                self._run_slice(peer, paths, op, local, remote, n)
-            except MooncakeError as exc:
-                error = exc
-            except Exception as exc:  # keep the worker alive; report on the batch
-                log.exception("slice to %s failed unexpectedly", peer.name)
-                error = TransferError(f"slice to {peer.name!r} failed: {exc!r}")
-            finally:
-                if region is not None:
-                    self._regions.release(region)
-            batch.slice_done(index, error)
+        """Run slices on the best path at once; on failure, slice by slice over every path."""
+        try:
+            regions = self._regions.acquire_many([(s[2], s[4]) for s in task])
+        except AddressError as exc:  # local memory unregistered since submit
+            batch.slices_done([(s[0], exc) for s in task])
+            return
+        results: list[tuple[int, MooncakeError | None]] = []
+        try:
+            paths[0].execute_many(peer, task)
+            results = [(s[0], None) for s in task]
+        except (MooncakeError, OSError):
+            for index, op, local, remote, n in task:
+                try:
+                    self._run_slice(peer, paths, op, local, remote, n)
+                    results.append((index, None))
+                except MooncakeError as exc:
+                    results.append((index, exc))
+                except Exception as exc:  # keep the worker alive; report on the batch
+                    log.exception("slice to %s failed unexpectedly", peer.name)
+                    results.append((index, TransferError(f"slice to {peer.name!r} failed: {exc!r}")))
+        except Exception as exc:  # keep the worker alive; report on the batch
+            log.exception("slices to %s failed unexpectedly", peer.name)
+            results = [(s[0], TransferError(f"slice to {peer.name!r} failed: {exc!r}")) for s in task]
+        finally:
+            self._regions.release_many(regions)
+        batch.slices_done(results)
 
     def _run_slice(self, peer: Peer, paths: list[Transport], op: int, local: int, remote: int,
                    n: int) -> None:

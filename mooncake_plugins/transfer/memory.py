@@ -62,15 +62,29 @@ def _py_copy(dst: int, src: int, nbytes: int) -> None:
     ctypes.memmove(dst, src, nbytes)
 
 
+def _py_copy_many(copies: list[tuple[int, int, int]]) -> None:
+    for dst, src, nbytes in copies:
+        ctypes.memmove(dst, src, nbytes)
+
+
+def _py_empty_bytes(nbytes: int) -> bytearray:
+    # No honest way to fill a bytes object from Python: callers get a bytearray and copy.
+    return bytearray(nbytes)
+
+
 if _native is not None:
     Export = _native.Export
     view = _native.view
     copy = _native.copy
+    copy_many = _native.copy_many
+    empty_bytes = _native.empty_bytes
     IMPLEMENTATION = "native"
 else:
     Export = _PyExport  # type: ignore[assignment,misc]
     view = _py_view
     copy = _py_copy
+    copy_many = _py_copy_many
+    empty_bytes = _py_empty_bytes
     IMPLEMENTATION = "python"
 
 

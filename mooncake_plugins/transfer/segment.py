@@ -133,6 +133,19 @@ class RegionTable:
         with self._lock:
             region.inflight -= 1
 
+    def acquire_many(self, ranges: list[tuple[int, int]]) -> list[Region]:
+        """:meth:`acquire` for every ``(address, nbytes)``, all or none, under one lock."""
+        with self._lock:
+            regions = [self._find(a, n) for a, n in ranges]
+            for r in regions:
+                r.inflight += 1
+            return regions
+
+    def release_many(self, regions: list[Region]) -> None:
+        with self._lock:
+            for r in regions:
+                r.inflight -= 1
+
     def find(self, address: int, nbytes: int) -> Region:
         """Like :meth:`acquire` without counting a user."""
         with self._lock:
@@ -167,9 +180,15 @@ class SegmentDescriptor:
     epoch_memfd: int = -1
     regions: list[RegionInfo] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.regions.sort(key=lambda r: r.address)
+        self._starts = [r.address for r in self.regions]
+
     def find(self, address: int, nbytes: int, write: bool = False) -> RegionInfo:
         """The published region holding the range (writable if ``write``), else AddressError."""
-        for r in self.regions:
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i >= 0:
+            r = self.regions[i]
             if r.contains(address, nbytes):
                 if write and r.readonly:
                     raise AddressError(f"segment {self.name!r} registered 0x{r.address:x} read-only")

@@ -136,8 +136,8 @@ def expected_sha(seed: int, sizes: list[int] = PARTS) -> str:
 
 # -- cross-process ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("metadata_url", [*BACKENDS, pytest.param("redis", marks=pytest.mark.redis)],
-                         indirect=True)
+@pytest.mark.parametrize("metadata_url",
+                         [*BACKENDS, pytest.param("redis", marks=pytest.mark.redis)], indirect=True)
 def test_later_getters_read_from_earlier_getters(spawn, ns):
     provider, *getters = [spawn() for _ in range(5)]
     assert provider.ok("register", name=ns + "ckpt/step-100", parts=PARTS, seed=7)["sha"] == \

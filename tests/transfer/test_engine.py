@@ -131,10 +131,14 @@ def test_bad_inputs(pair):
     a, b = pair
     with pytest.raises(InvalidArgument):
         a.allocate(0)
-    with pytest.raises(InvalidArgument):
-        TransferRequest("write", 1, 2, 3)
-    with pytest.raises(InvalidArgument):
-        TransferRequest(OpCode.WRITE, -1, 2, 3)
+    dst = b.allocate(4096)
+    src = a.allocate(4096)
+    for bad in (TransferRequest("write", src.address, dst.address, 3),
+                TransferRequest(OpCode.WRITE, -1, dst.address, 3),
+                TransferRequest(OpCode.WRITE, src.address, dst.address, 2.5),
+                TransferRequest(OpCode.WRITE, src.address, True, 3)):
+        with pytest.raises(InvalidArgument):
+            a.submit(b.segment_name, [bad])
     with pytest.raises(InvalidArgument):
         a.register_address(4096, 0)
     with pytest.raises(InvalidArgument):

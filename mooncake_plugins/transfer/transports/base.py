@@ -38,6 +38,15 @@ class Transport(ABC):
                 nbytes: int) -> None:
         """Move one slice (blocking). Raises TransferError/AddressError/OSError on failure."""
 
+    def execute_many(self, peer: "Peer", slices: list[tuple[int, int, int, int, int]]) -> None:
+        """Move several ``(request index, op, local, remote, nbytes)`` slices, all or raise.
+
+        The default runs ``execute`` one by one; a transport overrides it where a batch
+        is cheaper than its parts (shm copies them in one native call).
+        """
+        for _, op, local, remote, n in slices:
+            self.execute(peer, op, local, remote, n)
+
     def forget(self, peer: "Peer") -> None:
         """Drop cached connections or mappings of a peer (it went away or changed)."""
 

@@ -95,7 +95,7 @@ class _Mapping:
         flags = os.O_RDWR if writable else os.O_RDONLY
         ofd = os.open(path, flags | os.O_CLOEXEC)
         try:
-            self.map = mmap.mmap(ofd, nbytes, mmap.MAP_SHARED,
+            self.map = mmap.mmap(ofd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                  mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         finally:
             os.close(ofd)
@@ -136,8 +136,8 @@ class ShmTransport(Transport):
                 m = self._maps[(pid, fd, nbytes)] = _Mapping(pid, fd, nbytes)
             return m
 
-    def execute(self, peer: "Peer", op: int, local_address: int, remote_address: int,
-                nbytes: int) -> None:
+    def _current(self, peer: "Peer") -> Any:
+        """The peer's descriptor, re-fetched if its epoch page says regions changed."""
         desc = peer.descriptor
         if desc.epoch_memfd >= 0:
             try:
@@ -146,22 +146,30 @@ class ShmTransport(Transport):
                 raise TransferError(f"segment {desc.name!r} (pid {desc.pid}) is gone: {exc}") from exc
             if epoch != desc.epoch:
                 desc = peer.refresh()
-        write = op == OP_WRITE
-        region = desc.find(remote_address, nbytes, write)
-        if region.memfd >= 0 and desc.pid != os.getpid():
-            base = self._region_map(desc.pid, region.memfd, region.nbytes).address
-            peer_address = base + (remote_address - region.address)
-            if write:
-                memory.copy(peer_address, local_address, nbytes)
+        return desc
+
+    def execute(self, peer: "Peer", op: int, local_address: int, remote_address: int,
+                nbytes: int) -> None:
+        self.execute_many(peer, [(0, op, local_address, remote_address, nbytes)])
+
+    def execute_many(self, peer: "Peer", slices: list[tuple[int, int, int, int, int]]) -> None:
+        """Check every slice against the live descriptor, then copy them all in one call."""
+        desc = self._current(peer)
+        same_process = desc.pid == os.getpid()
+        copies: list[tuple[int, int, int]] = []
+        for _, op, local, remote, n in slices:
+            write = op == OP_WRITE
+            region = desc.find(remote, n, write)
+            if same_process:
+                peer_address = remote
+            elif region.memfd >= 0:
+                peer_address = self._region_map(desc.pid, region.memfd, region.nbytes).address \
+                    + (remote - region.address)
             else:
-                memory.copy(local_address, peer_address, nbytes)
-        elif desc.pid == os.getpid():
-            if write:
-                memory.copy(remote_address, local_address, nbytes)
-            else:
-                memory.copy(local_address, remote_address, nbytes)
-        else:
-            impl.vm_copy(desc.pid, local_address, remote_address, nbytes, write)
+                impl.vm_copy(desc.pid, local, remote, n, write)
+                continue
+            copies.append((peer_address, local, n) if write else (local, peer_address, n))
+        memory.copy_many(copies)
 
     def forget(self, peer: "Peer") -> None:
         pid = peer.descriptor.pid
