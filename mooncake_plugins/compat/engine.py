@@ -297,8 +297,7 @@ class TransferEngine:
     @_codes(-1)
     def send_probe(self, peer_server_name: str) -> int:
         """0 when the peer answers on its rpc port."""
-        self.engine.close_segment(peer_server_name)
-        self.engine.open_segment(peer_server_name).refresh()
+        self.engine.probe(peer_server_name)
         return 0
 
     def close(self) -> None:

@@ -231,6 +231,14 @@ class TransferEngine:
         mf.close()
         self._changed()
 
+    def is_registered(self, address: int, nbytes: int) -> bool:
+        """Whether ``[address, address+nbytes)`` lies in one local region (private ones too)."""
+        try:
+            self._regions.find(address, nbytes)
+            return True
+        except AddressError:
+            return False
+
     def local_view(self, address: int, nbytes: int) -> memoryview:
         """A writable memoryview of locally registered memory; AddressError outside it."""
         region = self._regions.find(address, nbytes)
@@ -311,6 +319,14 @@ class TransferEngine:
             with self._lock:
                 peer = self._peers.setdefault(segment, peer)
         return peer
+
+    def probe(self, segment: str) -> SegmentDescriptor:
+        """Ask the segment itself for its descriptor now (a liveness check).
+
+        Raises:
+            SegmentNotFound: the segment is not published or does not answer.
+        """
+        return self.open_segment(segment).refresh()
 
     def close_segment(self, segment: str) -> None:
         """Forget a cached segment (its connections and mappings)."""

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from ..config import PURE_PYTHON
+from ..errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,9 @@ def address_of(obj: Any) -> tuple[int, int]:
     ptr = getattr(obj, "data_ptr", None)
     if callable(ptr):  # torch.Tensor without importing torch
         if getattr(getattr(obj, "device", None), "type", "cpu") != "cpu":
-            raise ValueError("GPU tensors need the cuda_ipc transport; pass a CPU tensor")
+            raise InvalidArgument("GPU tensors need the cuda_ipc transport; pass a CPU tensor")
         if not obj.is_contiguous():
-            raise ValueError("tensor is not contiguous")
+            raise InvalidArgument("tensor is not contiguous")
         return int(ptr()), int(obj.numel() * obj.element_size())
     exp = Export(obj)
     try:
