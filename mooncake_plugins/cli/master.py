@@ -8,6 +8,7 @@ then serves until SIGTERM/SIGINT. gflags spellings work too: ``-rpc_port=50051``
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -53,7 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     flag("enable_metric_reporting", **b, help="serve Prometheus /metrics on --metrics_port")
     flag("metrics_port", type=int, default=9003)
     flag("log_level", default="INFO")
+    flag("log_format", default="text", choices=["text", "json"],
+         help="json: one JSON object per line (time, level, logger, message)")
     return ap
+
+
+class _JsonFormatter(logging.Formatter):
+    """Structured log lines for log collectors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
+                 "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
 
 
 def _gflags(argv: list[str]) -> list[str]:
@@ -63,8 +77,10 @@ def _gflags(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_gflags(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_JsonFormatter() if args.log_format == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if args.enable_ha and not args.etcd_endpoints:
         print("--enable_ha needs --etcd_endpoints", file=sys.stderr)
         return 2

@@ -8,9 +8,7 @@ since an int cannot carry the reason.
 
 from __future__ import annotations
 
-import json
 import logging
-import socket
 from typing import Any, Sequence
 
 import msgpack

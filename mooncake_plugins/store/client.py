@@ -10,7 +10,6 @@ or, with HA, when a new leader took over.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
@@ -22,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from ..config import EngineConfig
 from ..errors import (BufferTooSmall, ClientNotFound, InvalidParams, LeaseExpired, MooncakeError,
-                      NotSupported, ObjectNotFound, RpcFailed, StoreError, StoreTransferFailed,
+                      NotSupported, RpcFailed, StoreError, StoreTransferFailed,
                       store_error)
 from ..transfer import OpCode, TransferEngine, TransferRequest, memory
 from ..transfer.topology import host_id

@@ -16,14 +16,14 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import msgpack
 
 from ..config import EngineConfig
 from ..errors import (AddressError, InvalidArgument, MetadataError, MooncakeError,
                       SegmentNotFound, TransferError, TransportUnavailable)
-from . import memory, protocol
+from . import memory
 from .batch import Batch, OpCode, TransferRequest, validate_request
 from .metadata import MetadataStore, from_url
 from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor, check_range
@@ -65,9 +65,10 @@ class _Memfd:
             os.posix_fallocate(self.fd, 0, nbytes)
             self.map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED | _POPULATE,
                                  mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
+        except OSError as exc:
             os.close(self.fd)
-            raise
+            raise MemoryError(f"cannot reserve {nbytes} bytes of shared memory ({exc}); "
+                              f"free memory or lower the segment size") from exc
         self.export = memory.Export(self.map, True)
 
     def close(self) -> None:
@@ -153,9 +154,8 @@ class TransferEngine:
                     log.warning("transport %s disabled: %s", name, exc)
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="mc-worker")
         self._publish()
-        log.info("engine %s serving on %s:%d (transports %s, tcp io %s)", self.segment_name,
-                 self.host, self.rpc_port, [t.name for t in self._transports],
-                 "native" if memory.IMPLEMENTATION == "native" else "python")
+        log.info("engine %s serving on %s:%d (transports %s, %s data path)", self.segment_name,
+                 self.host, self.rpc_port, [t.name for t in self._transports], memory.IMPLEMENTATION)
 
     # -- registration ----------------------------------------------------------------
     def register(self, buffer: Any, location: str = "*", private: bool = False) -> Region:

@@ -2,7 +2,6 @@
 
 import ctypes
 import os
-import time
 
 import numpy as np
 import pytest

@@ -6,7 +6,6 @@ import os
 import random
 import signal
 
-import pytest
 from helpers import wait_until
 
 
@@ -74,7 +73,7 @@ def test_eviction_under_pressure_never_returns_bad_data(master_process, nodes):
 def test_client_leaving_unmounts_its_segment(master_process, nodes):
     _, addr = master_process()
     a, b = nodes(addr), nodes(addr)
-    assert b.ask(f"put k 1 1000") == "ok"
+    assert b.ask("put k 1 1000") == "ok"
     stats = json.loads(a.ask("stats"))
     b.close()
     assert wait_until(lambda: json.loads(a.ask("stats"))["segments"] == stats["segments"] - 1, 10)

@@ -3,7 +3,6 @@
 import json
 import random
 import socket
-import struct
 import subprocess
 import sys
 import urllib.request
@@ -92,6 +91,20 @@ def test_cli_flags_metrics_and_embedded_metadata():
             assert "mooncake_master_puts_total 1.0" in text
     finally:
         assert terminate_group(proc) == 0
+
+
+def test_json_logs():
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake_plugins.cli.master", "--rpc_port", "0",
+                             "--log_format", "json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout.readline().startswith(b"READY ")
+    finally:
+        terminate_group(proc)
+    lines = [json.loads(line) for line in proc.stderr.read().decode().splitlines() if line.strip()]
+    proc.stdout.close()
+    proc.stderr.close()
+    assert any(e["message"].startswith("master serving on") and e["level"] == "INFO" for e in lines)
 
 
 def test_cli_rejects_bad_flags():

@@ -1,15 +1,13 @@
 """Two engines in one process: data paths, batches, slicing and bounds, over each transport."""
 
 import hashlib
-import os
 import random
 
 import numpy as np
 import pytest
 
 from mooncake_plugins.config import EngineConfig
-from mooncake_plugins.errors import (AddressError, InvalidArgument, RegionBusy, SegmentNotFound,
-                                     TransferError)
+from mooncake_plugins.errors import (AddressError, InvalidArgument, RegionBusy, SegmentNotFound)
 from mooncake_plugins.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
 
 TRANSPORTS = {"tcp": ["tcp"], "shm": ["shm", "tcp"]}
@@ -182,3 +180,29 @@ def test_closed_engine_rejects_use():
     e.close()
     with pytest.raises(InvalidArgument):
         e.allocate(10)
+
+
+def test_private_regions_are_invisible_to_peers(pair):
+    a, b = pair
+    secret = bytearray(b"s" * 4096)
+    region = b.register(secret, private=True)
+    assert region.address not in [r.address for r in b.regions()]
+    into = a.allocate(4096)
+    with pytest.raises(AddressError):
+        a.read(b.segment_name, into.address, region.address, 4096)
+    with pytest.raises(AddressError):
+        a.write(b.segment_name, into.address, region.address, 4096)
+    assert secret == b"s" * 4096
+    # ... but usable as the local side of b's own transfers
+    assert b.is_registered(region.address, 4096) and not b.is_registered(region.address, 4097)
+    b.write(a.segment_name, region.address, into.address, 4096)
+    assert bytes(into.view()) == b"s" * 4096
+
+
+def test_probe(pair):
+    a, b = pair
+    assert a.probe(b.segment_name).port == b.rpc_port
+    name = b.segment_name
+    b.close()
+    with pytest.raises(SegmentNotFound):
+        a.probe(name)

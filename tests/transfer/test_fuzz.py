@@ -1,7 +1,6 @@
 """Malformed and hostile frames thrown at a live engine: it refuses them and keeps serving."""
 
 import logging
-import os
 import random
 import socket
 
