@@ -99,11 +99,11 @@ def test_json_logs():
                             stderr=subprocess.PIPE, start_new_session=True)
     try:
         assert proc.stdout.readline().startswith(b"READY ")
+        proc.terminate()
+        _, err = proc.communicate(timeout=15)
     finally:
         terminate_group(proc)
-    lines = [json.loads(line) for line in proc.stderr.read().decode().splitlines() if line.strip()]
-    proc.stdout.close()
-    proc.stderr.close()
+    lines = [json.loads(line) for line in err.decode().splitlines() if line.strip()]
     assert any(e["message"].startswith("master serving on") and e["level"] == "INFO" for e in lines)
 
 
