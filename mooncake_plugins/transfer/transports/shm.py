@@ -6,8 +6,10 @@ Other registered memory is reached with process_vm_readv/writev (one copy in the
 
 Bounds are checked against the target's published descriptor. The target bumps an epoch
 counter in a small shared memfd page on every (un)registration; a changed epoch makes us
-re-fetch the descriptor before the copy, so a freed region is never written through a
-stale descriptor.
+re-fetch the descriptor before the copy. What remains is the window between that check
+and the copy itself: a region unregistered exactly then may still be written. memfd
+regions are safe even so (our mapping keeps the pages alive); for process_vm regions the
+owner must not unregister memory it is still exposing to peers, as with RDMA.
 """
 
 from __future__ import annotations

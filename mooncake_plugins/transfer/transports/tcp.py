@@ -22,7 +22,7 @@ from ...config import PURE_PYTHON
 from ...errors import AddressError, MooncakeError, ProtocolError, TransferError, from_code
 from .. import memory, protocol
 from ..segment import RegionTable
-from .base import OP_READ, OP_WRITE, Transport
+from .base import OP_WRITE, Transport
 
 if TYPE_CHECKING:
     from ..engine import Peer
