@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import msgpack
 
-from ..errors import MooncakeError, ProtocolError, RpcFailed, RpcTimeout, StoreError, store_error
+from ..errors import MooncakeError, ProtocolError, RpcFailed, RpcTimeout, store_error
+from ..transfer.listener import ConnectionServer
 from ..transfer.transports.tcp import io
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def _unpack(fd: int) -> Any:
 Handler = tuple[Schema, Callable[..., Any]]
 
 
-class RpcServer:
+class RpcServer(ConnectionServer):
     """Serves ``handlers`` (method -> (schema, fn(**args))) on ``host:port``.
 
     ``fn`` raises StoreError for an error reply; anything else is logged as an internal
@@ -94,29 +95,10 @@ class RpcServer:
 
     def __init__(self, host: str, port: int, handlers: dict[str, Handler],
                  gate: Callable[[], None] | None = None) -> None:
+        super().__init__(host, port, "mc-rpc", backlog=256)
         self._handlers = handlers
         self._gate = gate
-        self._listener = socket.create_server((host, port), backlog=256)
-        self.port: int = self._listener.getsockname()[1]
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept, name=f"mc-rpc-{self.port}", daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, addr = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._conns.add(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn, addr), daemon=True).start()
+        self.start()
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         fd = conn.fileno()
@@ -136,9 +118,7 @@ class RpcServer:
                     if self._gate is not None:
                         self._gate()
                     reply = [req_id, 0, fn(**args)]
-                except StoreError as exc:
-                    reply = [req_id, exc.code, str(exc)]
-                except MooncakeError as exc:
+                except MooncakeError as exc:  # StoreErrors carry the original's codes
                     reply = [req_id, exc.code if exc.code < 0 else -1, str(exc)]
                 except Exception as exc:  # a bug in a handler must not kill the connection
                     log.exception("%s from %s failed", method, addr)
@@ -149,24 +129,10 @@ class RpcServer:
         except (ConnectionError, TimeoutError):
             pass
         except OSError as exc:
-            if not self._closed:
+            if not self.closed:
                 log.warning("rpc connection from %s failed: %s", addr, exc)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            conns = list(self._conns)
-        for s in [self._listener, *conns]:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._listener.close()
-        self._thread.join(5)
+        except Exception:  # never let one connection take the process down
+            log.exception("closing rpc connection from %s after an unexpected error", addr)
 
 
 class RpcClient:

@@ -191,13 +191,16 @@ class TransferEngine:
             self._changed()
         return region
 
-    def unregister(self, address: int | Region) -> None:
-        """Unregister the region starting at ``address``; RegionBusy while in use."""
+    def unregister(self, address: int | Region, wait_s: float = 1.0) -> None:
+        """Unregister the region starting at ``address``.
+
+        Transfers using it get ``wait_s`` seconds to end; RegionBusy after that.
+        """
         self._check_open()
         addr = address.address if isinstance(address, Region) else address
         if addr in self._managed:
             raise InvalidArgument(f"0x{addr:x} is a managed buffer: use free()")
-        region = self._regions.remove(addr)
+        region = self._regions.remove(addr, wait_s)
         if hasattr(region.keepalive, "release"):
             region.keepalive.release()
         if not region.private:
@@ -220,13 +223,13 @@ class TransferEngine:
         self._changed()
         return buf
 
-    def free(self, address: int | ManagedBuffer) -> None:
-        """Unregister and release a buffer from :meth:`allocate`."""
+    def free(self, address: int | ManagedBuffer, wait_s: float = 1.0) -> None:
+        """Unregister and release a buffer from :meth:`allocate` (see ``unregister``)."""
         addr = address.address if isinstance(address, ManagedBuffer) else address
         with self._lock:
             if addr not in self._managed:
                 raise InvalidArgument(f"0x{addr:x} was not allocated by this engine")
-            self._regions.remove(addr)
+            self._regions.remove(addr, wait_s)
             _, mf = self._managed.pop(addr)
         mf.close()
         self._changed()

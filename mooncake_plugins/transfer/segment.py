@@ -78,6 +78,7 @@ class RegionTable:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._drained = threading.Condition(self._lock)
         self._starts: list[int] = []
         self._regions: list[Region] = []
         self.epoch = 0
@@ -100,15 +101,24 @@ class RegionTable:
                 self.epoch += 1
         return region
 
-    def remove(self, address: int) -> Region:
-        """Remove the region starting at ``address``; RegionBusy while transfers use it."""
+    def remove(self, address: int, wait_s: float = 1.0) -> Region:
+        """Remove the region starting at ``address``.
+
+        Transfers still using it get ``wait_s`` seconds to finish (a peer's last reply
+        can reach its initiator before the serving thread lets go of the region).
+
+        Raises:
+            InvalidArgument: nothing is registered at ``address``.
+            RegionBusy: transfers still use it after ``wait_s``.
+        """
         with self._lock:
             i = bisect.bisect_left(self._starts, address)
             if i == len(self._starts) or self._starts[i] != address:
                 raise InvalidArgument(f"no region is registered at 0x{address:x}")
             region = self._regions[i]
-            if region.inflight:
+            if not self._drained.wait_for(lambda: region.inflight == 0, wait_s):
                 raise RegionBusy(f"region 0x{address:x} has {region.inflight} transfers in flight")
+            i = self._regions.index(region)  # the table may have changed while waiting
             del self._starts[i]
             del self._regions[i]
             if not region.private:
@@ -132,6 +142,8 @@ class RegionTable:
     def release(self, region: Region) -> None:
         with self._lock:
             region.inflight -= 1
+            if region.inflight == 0:
+                self._drained.notify_all()
 
     def acquire_many(self, ranges: list[tuple[int, int]]) -> list[Region]:
         """:meth:`acquire` for every ``(address, nbytes)``, all or none, under one lock."""
@@ -145,6 +157,7 @@ class RegionTable:
         with self._lock:
             for r in regions:
                 r.inflight -= 1
+            self._drained.notify_all()
 
     def find(self, address: int, nbytes: int) -> Region:
         """Like :meth:`acquire` without counting a user."""

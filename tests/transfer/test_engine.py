@@ -111,7 +111,7 @@ def test_unregister_while_in_flight_is_refused(pair):
     region = a.register(buf)
     held = a._regions.acquire(region.address, 10)
     with pytest.raises(RegionBusy):
-        a.unregister(region)
+        a.unregister(region, wait_s=0.05)
     a._regions.release(held)
     a.unregister(region)
     buf.extend(b"ok")  # the export is released: the bytearray may be resized again

@@ -1,5 +1,7 @@
 """RegionTable bounds checks and descriptor validation: the security boundary."""
 
+import threading
+
 import pytest
 
 from mooncake_plugins.errors import AddressError, InvalidArgument, ProtocolError, RegionBusy
@@ -42,13 +44,23 @@ def test_busy_region_cannot_be_removed():
     t = table((1000, 100))
     region = t.acquire(1010, 10)
     with pytest.raises(RegionBusy):
-        t.remove(1000)
+        t.remove(1000, wait_s=0)
     t.release(region)
     t.remove(1000)
     with pytest.raises(AddressError):
         t.find(1000, 1)
     with pytest.raises(InvalidArgument):
         t.remove(1000)
+
+
+def test_remove_waits_for_transfers_to_end():
+    t = table((1000, 100), (2000, 10))
+    region = t.acquire(1010, 10)
+    releaser = threading.Timer(0.2, t.release, args=(region,))
+    releaser.start()
+    t.remove(1000, wait_s=10)  # returns once the transfer let go
+    releaser.join()
+    assert len(t) == 1 and t.find(2000, 10).address == 2000
 
 
 def test_epoch_changes_on_every_update():

@@ -1,6 +1,7 @@
 """The metadata store interface and the URL -> backend dispatch.
 
-A :class:`MetadataStore` maps string keys to opaque byte values (segment descriptors).
+A :class:`MetadataStore` maps string keys to opaque byte values (segment descriptors)
+and lists the keys under a prefix.
 :func:`from_url` picks a backend from a connection string in the original Mooncake's
 forms; each backend module is imported only when its scheme is first used, so redis-py
 and etcd3gw are optional dependencies.
@@ -53,6 +54,22 @@ class MetadataTarget:
     db: int = 0
 
 
+def _check_text(text: object, what: str) -> None:
+    if not isinstance(text, str):
+        raise InvalidArgument(f"{what} must be a str, got {type(text).__name__}")
+    if not text:
+        raise InvalidArgument(f"{what} must not be empty")
+    if "\0" in text:
+        raise InvalidArgument(f"{what} must not contain NUL: {text!r}")
+    try:
+        nbytes = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"{what} is not valid UTF-8: {text!r}") from exc
+    if nbytes > MAX_KEY_NBYTES:
+        raise InvalidArgument(
+            f"{what} is {nbytes} bytes in UTF-8, the limit is {MAX_KEY_NBYTES}")
+
+
 def check_key(key: object) -> None:
     """Check that ``key`` is a valid metadata key.
 
@@ -60,19 +77,19 @@ def check_key(key: object) -> None:
         InvalidArgument: not a non-empty str, longer than 1024 bytes in UTF-8,
             not encodable as UTF-8, or containing NUL.
     """
-    if not isinstance(key, str):
-        raise InvalidArgument(f"metadata key must be a str, got {type(key).__name__}")
-    if not key:
-        raise InvalidArgument("metadata key must not be empty")
-    if "\0" in key:
-        raise InvalidArgument(f"metadata key must not contain NUL: {key!r}")
-    try:
-        nbytes = len(key.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise InvalidArgument(f"metadata key is not valid UTF-8: {key!r}") from exc
-    if nbytes > MAX_KEY_NBYTES:
-        raise InvalidArgument(
-            f"metadata key is {nbytes} bytes in UTF-8, the limit is {MAX_KEY_NBYTES}")
+    _check_text(key, "metadata key")
+
+
+def check_prefix(prefix: object) -> None:
+    """Check that ``prefix`` is a valid key prefix for :meth:`MetadataStore.list_prefix`.
+
+    The rules are the key rules: listing the whole store (an empty prefix) is not offered.
+
+    Raises:
+        InvalidArgument: not a non-empty str, longer than 1024 bytes in UTF-8,
+            not encodable as UTF-8, or containing NUL.
+    """
+    _check_text(prefix, "metadata key prefix")
 
 
 def check_value(value: object) -> None:
@@ -92,12 +109,12 @@ class MetadataStore(ABC):
     """A key -> bytes store shared by every engine of a cluster.
 
     The public methods validate their arguments and then call the backend's ``_put``,
-    ``_get``, ``_delete`` and ``_close``. All methods block on network I/O, bounded by
-    the backend's ``timeout_s``, and may be called from any thread; a store is usable
-    as a context manager that closes it.
+    ``_get``, ``_delete``, ``_list_prefix`` and ``_close``. All methods block on network
+    I/O, bounded by the backend's ``timeout_s`` (per request), and may be called from any
+    thread; a store is usable as a context manager that closes it.
 
     Raises (every method):
-        InvalidArgument: a bad key or value (checked before any I/O).
+        InvalidArgument: a bad key, prefix or value (checked before any I/O).
         MetadataError: the server could not be reached, answered with an error, or
             the store was closed. The message names the store's URL.
     """
@@ -130,6 +147,32 @@ class MetadataStore(ABC):
         check_key(key)
         self._check_open()
         self._delete(key)
+
+    def list_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        """Every key starting with ``prefix``, with its value, sorted by key.
+
+        ``prefix`` is a plain string prefix, not a path: ``"a/b"`` matches ``"a/b"``,
+        ``"a/b/c"`` and ``"a/bc"``. To list one "directory", end the prefix with the
+        separator (``"a/b/"``).
+
+        The listing is a consistent snapshot on etcd and on the HTTP server. On Redis it
+        is built from SCAN and MGET: a key present for the whole call is listed, one added
+        or deleted meanwhile may or may not be, and a key deleted between the two steps is
+        left out. Keys that are not valid UTF-8 (written by other clients) are skipped.
+
+        Returns:
+            ``[(key, value), ...]`` in ascending key order; empty when nothing matches.
+
+        Raises:
+            InvalidArgument: ``prefix`` is not a valid key (an empty prefix included).
+            MetadataError: as for the other methods; also when the backend cannot list
+                (an HTTP metadata server without the listing route, such as the
+                original Mooncake's) or the listing is too large for the HTTP server
+                (over 64 MiB).
+        """
+        check_prefix(prefix)
+        self._check_open()
+        return sorted(self._list_prefix(prefix))
 
     def close(self) -> None:
         """Release the connection; later calls raise MetadataError. Idempotent."""
@@ -172,6 +215,10 @@ class MetadataStore(ABC):
     @abstractmethod
     def _delete(self, key: str) -> None:
         """Remove the key; a missing key is not an error."""
+
+    @abstractmethod
+    def _list_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        """Return every ``(key, value)`` whose key starts with ``prefix``, in any order."""
 
     @abstractmethod
     def _close(self) -> None:

@@ -1,12 +1,14 @@
 """etcd v3 metadata backend over etcd's HTTP/JSON gateway (the ``etcd3gw`` package).
 
-Keys are stored exactly as given (UTF-8), values as raw bytes. etcd refuses requests
-larger than its ``--max-request-bytes`` (1.5 MiB by default); serving values up to the
-store's 16 MiB limit needs that flag raised on the etcd server.
+Keys are stored exactly as given (UTF-8), values as raw bytes; a prefix is listed with one
+range request (a snapshot at one revision). etcd refuses requests larger than its
+``--max-request-bytes`` (1.5 MiB by default); serving values up to the store's 16 MiB limit
+needs that flag raised on the etcd server.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import etcd3gw
@@ -19,6 +21,20 @@ from mooncake_plugins.transfer.metadata.base import (
     MetadataStore,
     MetadataTarget,
 )
+
+_log = logging.getLogger(__name__)
+
+
+def _prefix_range_end(prefix: bytes) -> bytes:
+    """The smallest key above every key starting with ``prefix`` (etcd's range end).
+
+    etcd3gw's own ``get_prefix`` builds it through str and latin-1, which breaks on
+    non-ASCII prefixes, so it is computed here on bytes. b"\\0" means "to the end".
+    """
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return b"\0"
+    return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
 class EtcdMetadataStore(MetadataStore):
@@ -75,6 +91,24 @@ class EtcdMetadataStore(MetadataStore):
                 self._client.delete(key.encode("utf-8"))
         except (Etcd3Exception, requests.RequestException, ValueError) as exc:
             raise self._fail("delete", key, exc) from exc
+
+    def _list_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        start = prefix.encode("utf-8")
+        # etcd3gw base64-encodes bytes as they are; its ``str`` annotation is too narrow.
+        end: str = _prefix_range_end(start)  # type: ignore[assignment]
+        try:
+            with self._lock:
+                items = self._client.get(start, metadata=True, range_end=end,
+                                         sort_order="ascend", sort_target="key")
+        except (Etcd3Exception, requests.RequestException, ValueError) as exc:
+            raise self._fail("list", prefix, exc) from exc
+        out = []
+        for value, meta in items:
+            try:
+                out.append((meta["key"].decode("utf-8"), value))
+            except UnicodeDecodeError:
+                _log.debug("etcd %s: skipping a non-UTF-8 key under %r", self.url, prefix)
+        return out
 
     def _close(self) -> None:
         with self._lock:

@@ -8,6 +8,13 @@ with the key in the ``key`` query parameter.
 - ``DELETE /metadata?key=K``: 200, or 404 when the key does not exist.
 - No ``key`` (or an invalid one): 400; any other method: 405; another path: 404.
 - A body over 16 MiB: 413; a malformed ``Content-Length``: 400; none at all: 411.
+
+One addition of ours, which the original server does not have (it answers 400 there):
+
+- ``GET /metadata?prefix=P``: 200 with ``Content-Type: application/msgpack`` and a msgpack
+  array of ``[key (str), value (bin)]`` pairs, sorted by key, for every key starting with
+  ``P``; the listing is a snapshot. A missing, empty, repeated or invalid prefix: 400;
+  ``key`` and ``prefix`` together (any method): 400; a reply that would exceed 64 MiB: 413.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from urllib.parse import parse_qs, quote, urlsplit
 
+import msgpack
+
 from mooncake_plugins.errors import InvalidArgument, MetadataError
 from mooncake_plugins.transfer.metadata.base import (
     DEFAULT_TIMEOUT_S,
@@ -31,11 +40,15 @@ from mooncake_plugins.transfer.metadata.base import (
     MetadataStore,
     MetadataTarget,
     check_key,
+    check_prefix,
 )
 
 _log = logging.getLogger(__name__)
 
 ROUTE = "/metadata"
+LIST_CONTENT_TYPE = "application/msgpack"
+# The largest listing reply, encoded; the server answers 413 beyond it.
+MAX_LIST_NBYTES = 64 * 1024 * 1024
 # A connection that sends nothing for this long is closed, so a stalled client
 # cannot hold a server thread forever.
 _CONNECTION_IDLE_TIMEOUT_S = 30.0
@@ -62,17 +75,24 @@ class HttpMetadataStore(MetadataStore):
         """Build a client for a parsed ``http://`` or ``https://`` URL."""
         return cls(target.url, timeout_s)
 
-    def _request(self, method: str, key: str, body: bytes | None = None) -> tuple[int, bytes]:
-        """Send one request; return (status, body). Blocks up to ``timeout_s`` per socket op."""
+    def _request(self, method: str, key: str, body: bytes | None = None, *,
+                 param: str = "key", limit_nbytes: int = MAX_VALUE_NBYTES
+                 ) -> tuple[int, str, bytes]:
+        """Send one request with ``?<param>=<key>``; return (status, content type, body).
+
+        Blocks up to ``timeout_s`` per socket operation.
+        """
         request = urllib.request.Request(
-            f"{self.url}?key={quote(key, safe='')}", data=body, method=method,
+            f"{self.url}?{param}={quote(key, safe='')}", data=body, method=method,
             headers={"Content-Type": "application/octet-stream"} if body is not None else {})
         try:
             with self._opener.open(request, timeout=self.timeout_s) as response:
-                return response.status, _read_bounded(response, self.url)
+                return (response.status, response.headers.get_content_type(),
+                        _read_bounded(response, self.url, limit_nbytes))
         except urllib.error.HTTPError as exc:
             with exc:
-                return exc.code, _read_bounded(exc, self.url)
+                return (exc.code, exc.headers.get_content_type(),
+                        _read_bounded(exc, self.url, limit_nbytes))
         except MetadataError:
             raise
         except urllib.error.URLError as exc:
@@ -89,12 +109,12 @@ class HttpMetadataStore(MetadataStore):
             f"metadata server {self.url}: {method} {key!r} answered HTTP {status}: {text}")
 
     def _put(self, key: str, value: bytes) -> None:
-        status, body = self._request("PUT", key, value)
+        status, _, body = self._request("PUT", key, value)
         if not 200 <= status < 300:
             raise self._fail("PUT", key, status, body)
 
     def _get(self, key: str) -> bytes | None:
-        status, body = self._request("GET", key)
+        status, _, body = self._request("GET", key)
         if status == 404:
             return None
         if status != 200:
@@ -102,21 +122,57 @@ class HttpMetadataStore(MetadataStore):
         return body
 
     def _delete(self, key: str) -> None:
-        status, body = self._request("DELETE", key)
+        status, _, body = self._request("DELETE", key)
         if status != 404 and not 200 <= status < 300:
             raise self._fail("DELETE", key, status, body)
+
+    def _list_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        status, content_type, body = self._request("GET", prefix, param="prefix",
+                                                   limit_nbytes=MAX_LIST_NBYTES)
+        if status == 413:
+            raise MetadataError(
+                f"metadata server {self.url}: the listing of {prefix!r} is over "
+                f"{MAX_LIST_NBYTES} bytes; list a longer prefix")
+        if status != 200 or content_type != LIST_CONTENT_TYPE:
+            # The original Mooncake server answers 400 "metadata key is required".
+            text = body[:200].decode("utf-8", "replace").strip()
+            raise MetadataError(
+                f"metadata server {self.url} cannot list keys (GET ?prefix= answered HTTP "
+                f"{status} {content_type}: {text}); listing needs this package's metadata "
+                "server (mooncake-metadata-server), etcd or Redis")
+        return _decode_listing(body, prefix, self.url)
 
     def _close(self) -> None:
         """Nothing to release: urllib opens one connection per request."""
 
 
+def _decode_listing(body: bytes, prefix: str, url: str) -> list[tuple[str, bytes]]:
+    """Check and decode a listing reply: a msgpack array of [str, bin] pairs under prefix."""
+    try:
+        items = msgpack.unpackb(body, raw=False, use_list=True)
+    except (ValueError, TypeError) as exc:  # msgpack's errors subclass ValueError
+        raise MetadataError(f"metadata server {url} sent a malformed listing of "
+                            f"{prefix!r}: {exc}") from exc
+    if not isinstance(items, list):
+        raise MetadataError(f"metadata server {url} sent a listing of {prefix!r} that is "
+                            f"a {type(items).__name__}, not an array")
+    out = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                and item[0].startswith(prefix) and isinstance(item[1], bytes)):
+            raise MetadataError(f"metadata server {url} sent a listing of {prefix!r} with "
+                                f"a bad entry: {str(item)[:100]}")
+        out.append((item[0], item[1]))
+    return out
+
+
 def _read_bounded(response: http.client.HTTPResponse | urllib.error.HTTPError,
-                  url: str) -> bytes:
-    """Read a response body of at most 16 MiB."""
-    body = response.read(MAX_VALUE_NBYTES + 1)
-    if len(body) > MAX_VALUE_NBYTES:
+                  url: str, limit_nbytes: int) -> bytes:
+    """Read a response body of at most ``limit_nbytes``."""
+    body = response.read(limit_nbytes + 1)
+    if len(body) > limit_nbytes:
         raise MetadataError(
-            f"metadata server {url} sent a body over {MAX_VALUE_NBYTES} bytes")
+            f"metadata server {url} sent a body over {limit_nbytes} bytes")
     return body
 
 
@@ -171,7 +227,13 @@ class _Handler(BaseHTTPRequestHandler):
     server: _KVServer
 
     def do_GET(self) -> None:
-        key = self._key()
+        query = self._query()
+        if query is None:
+            return
+        if "prefix" in query:
+            self._list(query["prefix"])
+            return
+        key = self._key(query)
         if key is None:
             return
         with self.server.kv_lock:
@@ -182,7 +244,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, value, content_type="application/octet-stream")
 
     def do_PUT(self) -> None:
-        key = self._key()
+        query = self._query()
+        key = None if query is None else self._key(query)
         if key is None:
             return
         value = self._read_body()
@@ -193,7 +256,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(200, b"metadata updated")
 
     def do_DELETE(self) -> None:
-        key = self._key()
+        query = self._query()
+        key = None if query is None else self._key(query)
         if key is None:
             return
         with self.server.kv_lock:
@@ -202,6 +266,32 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, b"metadata deleted")
         else:
             self._reply(404, b"metadata not found")
+
+    def _list(self, prefixes: list[str]) -> None:
+        """Answer ``GET ?prefix=P``: a msgpack array of [key, value] pairs, sorted."""
+        if len(prefixes) != 1:
+            self._reply(400, b"give one prefix")
+            return
+        prefix = prefixes[0]
+        try:
+            check_prefix(prefix)
+        except InvalidArgument as exc:
+            self._reply(400, str(exc).encode())
+            return
+        with self.server.kv_lock:  # values are immutable bytes: a snapshot of references
+            items = [(k, v) for k, v in self.server.kv.items() if k.startswith(prefix)]
+        items.sort()
+        packer = msgpack.Packer(use_bin_type=True)
+        chunks = [packer.pack_array_header(len(items))]
+        nbytes = len(chunks[0])
+        for item in items:
+            chunks.append(packer.pack(item))
+            nbytes += len(chunks[-1])
+            if nbytes > MAX_LIST_NBYTES:
+                self._reply(413, f"the listing of {prefix!r} is over {MAX_LIST_NBYTES} "
+                                 "bytes; list a longer prefix".encode())
+                return
+        self._reply(200, b"".join(chunks), content_type=LIST_CONTENT_TYPE)
 
     def __getattr__(self, name: str) -> Callable[[], None]:
         # BaseHTTPRequestHandler dispatches to do_<METHOD> and answers 501 when it is
@@ -213,17 +303,25 @@ class _Handler(BaseHTTPRequestHandler):
     def _method_not_allowed(self) -> None:
         self._reply(405, b"method not allowed", extra_headers={"Allow": "GET, PUT, DELETE"})
 
-    def _key(self) -> str | None:
-        """Return the request's key, or answer 4xx and return None."""
+    def _query(self) -> dict[str, list[str]] | None:
+        """Check the route and parse the query string, or answer 4xx and return None."""
         parts = urlsplit(self.path)
         if parts.path != ROUTE:
             self._reply(404, b"no such route; use " + ROUTE.encode())
             return None
         try:
-            keys = parse_qs(parts.query, keep_blank_values=True, errors="strict").get("key")
+            query = parse_qs(parts.query, keep_blank_values=True, errors="strict")
         except UnicodeDecodeError:
             self._reply(400, b"key is not valid UTF-8")
             return None
+        if "key" in query and "prefix" in query:
+            self._reply(400, b"give either key or prefix, not both")
+            return None
+        return query
+
+    def _key(self, query: dict[str, list[str]]) -> str | None:
+        """Return the request's key, or answer 400 and return None."""
+        keys = query.get("key")
         if not keys or not keys[0]:
             self._reply(400, b"missing key")
             return None

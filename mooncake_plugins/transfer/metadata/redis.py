@@ -1,11 +1,13 @@
 """Redis metadata backend (redis-py).
 
 Keys are stored exactly as given (UTF-8), values as raw bytes, in the database chosen by
-the URL (``redis://host:port/db``, default 0).
+the URL (``redis://host:port/db``, default 0). A prefix is listed with SCAN ... MATCH (the
+prefix's glob characters escaped), then MGET in batches.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import cast
 
 import redis
@@ -18,6 +20,18 @@ from mooncake_plugins.transfer.metadata.base import (
     MetadataStore,
     MetadataTarget,
 )
+
+_log = logging.getLogger(__name__)
+
+# Keys asked for per SCAN step and per MGET: bounds each command's reply.
+_SCAN_BATCH = 1000
+_GLOB_SPECIALS = frozenset("*?[]\\")
+
+
+def _match_pattern(prefix: str) -> bytes:
+    """A SCAN MATCH pattern for the keys starting with ``prefix``, matched literally."""
+    escaped = "".join("\\" + c if c in _GLOB_SPECIALS else c for c in prefix)
+    return (escaped + "*").encode("utf-8")
 
 
 class RedisMetadataStore(MetadataStore):
@@ -66,6 +80,26 @@ class RedisMetadataStore(MetadataStore):
             self._client.delete(key)
         except redis.RedisError as exc:
             raise self._fail("delete", key, exc) from exc
+
+    def _list_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
+        try:
+            # SCAN may return a key more than once; the set folds the repeats.
+            keys = sorted(set(self._client.scan_iter(match=_match_pattern(prefix),
+                                                     count=_SCAN_BATCH)))
+            out = []
+            for i in range(0, len(keys), _SCAN_BATCH):
+                batch = keys[i:i + _SCAN_BATCH]
+                for raw_key, value in zip(batch, self._client.mget(batch)):
+                    if value is None:  # deleted since SCAN saw it (or not a string)
+                        continue
+                    try:
+                        out.append((raw_key.decode("utf-8"), value))
+                    except UnicodeDecodeError:
+                        _log.debug("redis %s: skipping a non-UTF-8 key under %r",
+                                   self.url, prefix)
+        except redis.RedisError as exc:
+            raise self._fail("list", prefix, exc) from exc
+        return out
 
     def _close(self) -> None:
         self._client.close()

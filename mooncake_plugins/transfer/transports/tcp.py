@@ -19,8 +19,9 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from ...config import PURE_PYTHON
-from ...errors import AddressError, MooncakeError, ProtocolError, TransferError, from_code
+from ...errors import AddressError, ProtocolError, TransferError, from_code
 from .. import memory, protocol
+from ..listener import ConnectionServer
 from ..segment import RegionTable
 from .base import OP_WRITE, Transport
 
@@ -117,7 +118,7 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, opt, val)
 
 
-class TcpServer:
+class TcpServer(ConnectionServer):
     """The engine's rpc port: serves READ/WRITE of registered memory and control commands.
 
     Args:
@@ -128,33 +129,15 @@ class TcpServer:
 
     def __init__(self, host: str, port: int, regions: RegionTable,
                  on_control: Callable[[dict], bytes]) -> None:
+        super().__init__(host, port, "mc-tcp")
         self._regions = regions
         self._on_control = on_control
-        self._listener = socket.create_server((host, port), backlog=128)
-        self.port: int = self._listener.getsockname()[1]
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
         self.bytes_in = 0
         self.bytes_out = 0
-        self._thread = threading.Thread(target=self._accept_loop, name=f"mc-tcp-accept-{self.port}",
-                                        daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, addr = self._listener.accept()
-            except OSError:
-                return  # listener closed
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._conns.add(conn)
-            _tune(conn)
-            threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
-                             name=f"mc-tcp-serve-{addr[1]}").start()
+    def _setup(self, conn: socket.socket) -> None:
+        _tune(conn)
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         fd = conn.fileno()
@@ -177,53 +160,33 @@ class TcpServer:
                 try:
                     if writing and region.readonly:
                         io.discard(fd, req.nbytes)
-                        self._reply(fd, req.req_id, AddressError.code,
-                                    b"region is registered read-only")
+                        status, body = AddressError.code, b"region is registered read-only"
                     elif writing:
                         io.recv_into_address(fd, req.address, req.nbytes)
                         self.bytes_in += req.nbytes
-                        io.send_frame(fd, protocol.encode_response(0, req.req_id, 0), 0, 0)
+                        status, body = 0, b""
                     else:
                         io.send_frame(fd, protocol.encode_response(0, req.req_id, req.nbytes),
                                       req.address, req.nbytes)
                         self.bytes_out += req.nbytes
+                        continue
                 finally:
                     self._regions.release(region)
+                self._reply(fd, req.req_id, status, body)  # after the release: see RegionTable.remove
         except ProtocolError as exc:
             log.error("closing connection from %s: malformed frame: %s", addr, exc)
         except (ConnectionError, TimeoutError) as exc:
             log.debug("connection from %s ended: %s", addr, exc)
         except OSError as exc:
-            if not self._closed:
+            if not self.closed:
                 log.warning("connection from %s failed: %s", addr, exc)
         except Exception:  # never let one connection take the process down
             log.exception("closing connection from %s after an unexpected error", addr)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
     @staticmethod
     def _reply(fd: int, req_id: int, status: int, body: bytes) -> None:
         body = body[:protocol.MAX_ERROR_NBYTES] if status else body
         io.send_frame(fd, protocol.encode_response(status, req_id, len(body)) + body, 0, 0)
-
-    def close(self) -> None:
-        """Stop accepting, close every connection and wait for the accept thread."""
-        with self._lock:
-            self._closed = True
-            conns = list(self._conns)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._thread.join(timeout=5)
 
 
 class _Pool:
@@ -309,15 +272,30 @@ class TcpTransport(Transport):
         desc = peer.descriptor
         self.request(desc.host, desc.port, op, local_address, remote_address, nbytes)
 
-    def request(self, host: str, port: int, op: int, local_address: int, remote_address: int,
-                nbytes: int) -> None:
-        """One READ or WRITE frame exchange on a pooled connection to ``host:port``."""
+    def _exchange(self, host: str, port: int, what: str,
+                  body: Callable[[int, int], tuple[int, bytes]]) -> tuple[int, bytes]:
+        """Run ``body(fd, req_id)`` on a pooled connection to ``host:port``.
+
+        The connection goes back to the pool only when ``body`` completed its exchange
+        (even if the peer answered with an error status); socket errors become
+        TransferError and malformed replies ProtocolError, and close the connection.
+        """
         pool = self._pool(host, port)
         sock = pool.get()
         healthy = False
-        rid = next(self._ids)
         try:
-            fd = sock.fileno()
+            result = body(sock.fileno(), next(self._ids))
+            healthy = True
+            return result
+        except OSError as exc:
+            raise TransferError(f"{what} with {host}:{port} failed: {exc!r}") from exc
+        finally:
+            pool.put(sock, healthy)
+
+    def request(self, host: str, port: int, op: int, local_address: int, remote_address: int,
+                nbytes: int) -> None:
+        """One READ or WRITE frame exchange on a pooled connection to ``host:port``."""
+        def body(fd: int, rid: int) -> tuple[int, bytes]:
             if op == OP_WRITE:
                 io.send_frame(fd, protocol.encode_request(protocol.OP_WRITE, rid, remote_address,
                                                           nbytes), local_address, nbytes)
@@ -330,43 +308,29 @@ class TcpTransport(Transport):
                                                      rid, nbytes)
                 if status == 0:
                     io.recv_into_address(fd, local_address, nbytes)
-            if status != 0:
-                text = io.recv_exact(fd, n).decode("utf-8", "replace")
-                healthy = True
-                raise from_code(status, f"peer {host}:{port} refused the request: {text}")
-            healthy = True
-        except MooncakeError:
-            raise
-        except (OSError, ConnectionError) as exc:
-            raise TransferError(f"transfer with {host}:{port} failed: {exc!r}") from exc
-        finally:
-            pool.put(sock, healthy)
+            return status, (io.recv_exact(fd, n) if status else b"")
+
+        status, text = self._exchange(host, port, "transfer", body)
+        if status:
+            raise from_code(status, f"peer {host}:{port} refused the request: "
+                                    f"{text.decode('utf-8', 'replace')}")
 
     def control(self, host: str, port: int, cmd: str, **fields: Any) -> bytes:
         """Send a control command to ``host:port`` and return the reply payload."""
         payload = protocol.encode_control(cmd, **fields)
-        pool = self._pool(host, port)
-        sock = pool.get()
-        healthy = False
-        rid = next(self._ids)
-        try:
-            fd = sock.fileno()
+
+        def body(fd: int, rid: int) -> tuple[int, bytes]:
             header = protocol.encode_request(protocol.OP_CONTROL, rid, 0, 0, len(payload))
             io.send_frame(fd, header + payload, 0, 0)
             magic, status, got, n = protocol.RESPONSE.unpack(io.recv_exact(fd, protocol.RESPONSE.size))
             if magic != protocol.MAGIC or got != rid or n > protocol.MAX_CONTROL_NBYTES * 16:
                 raise ProtocolError(f"bad control response from {host}:{port}")
-            body = io.recv_exact(fd, n)
-            healthy = True
-            if status != 0:
-                raise from_code(status, f"{host}:{port}: {body.decode('utf-8', 'replace')}")
-            return body
-        except MooncakeError:
-            raise
-        except OSError as exc:
-            raise TransferError(f"control {cmd!r} to {host}:{port} failed: {exc!r}") from exc
-        finally:
-            pool.put(sock, healthy)
+            return status, io.recv_exact(fd, n)
+
+        status, reply = self._exchange(host, port, f"control {cmd!r}", body)
+        if status:
+            raise from_code(status, f"{host}:{port}: {reply.decode('utf-8', 'replace')}")
+        return reply
 
     def forget(self, peer: "Peer") -> None:
         with self._lock:
