@@ -7,6 +7,7 @@ Children are started in their own session (process group) so that
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -151,3 +152,55 @@ def _drain(stream: IO[bytes], pid: int) -> None:
     with stream:
         for line in stream:
             _log.debug("pid %d stdout: %r", pid, line)
+
+
+class LineChild:
+    """A child process driven one line at a time: it prints ``READY <json>``, then answers.
+
+    Started in its own session; ``close()`` sends ``quit`` and then ends the group.
+    """
+
+    def __init__(self, cmd: Sequence[str], timeout_s: float = 30.0,
+                 env: Mapping[str, str] | None = None) -> None:
+        self._stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, start_new_session=True,
+                                     env=None if env is None else dict(env))
+        try:
+            line = self.readline(timeout_s)
+        except TimeoutError:
+            line = ""
+        if not line.startswith("READY "):
+            terminate_group(self.proc, 5)
+            self._stderr.seek(0)
+            err = self._stderr.read()[-4000:].decode("utf-8", "replace")
+            self._stderr.close()
+            raise RuntimeError(f"{list(cmd)[1:3]} did not start: {line!r}\nstderr:\n{err}")
+        self.info = json.loads(line[len("READY "):])
+
+    def readline(self, timeout_s: float) -> str:
+        """The next stdout line; TimeoutError when none comes within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return self.proc.stdout.readline().decode().strip()
+        raise TimeoutError("the child did not answer in time")
+
+    def ask(self, line: str, timeout_s: float = 60.0) -> str:
+        """Send one command line and return the answer line."""
+        self.proc.stdin.write((line + "\n").encode())
+        self.proc.stdin.flush()
+        return self.readline(timeout_s)
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write(b"quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            terminate_group(self.proc)
+            self._stderr.close()

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-from helpers import spawn_ready, terminate_group
+from helpers import LineChild, spawn_ready, terminate_group
 
 from mooncake_plugins.store.master import MasterConfig
 from mooncake_plugins.store.server import MasterServer, ServerOptions
@@ -20,44 +17,12 @@ NODE = str(Path(__file__).with_name("node.py"))
 MASTER = [sys.executable, "-m", "mooncake_plugins.cli.master"]
 
 
-class Node:
+class Node(LineChild):
     """A ``node.py`` process: a store client with a segment, driven line by line."""
 
     def __init__(self, master: str, *extra: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, NODE, "--master", master, *extra],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
-        line = self.readline(30)
-        if not line.startswith("READY "):
-            terminate_group(self.proc)
-            raise RuntimeError(f"store node did not start: {line!r}")
-        self.segment = json.loads(line[6:])["segment"]
-
-    def readline(self, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        fd = self.proc.stdout.fileno()
-        while time.monotonic() < deadline:
-            if select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                return self.proc.stdout.readline().decode().strip()
-        raise TimeoutError("store node did not answer in time")
-
-    def ask(self, line: str, timeout_s: float = 60) -> str:
-        self.proc.stdin.write((line + "\n").encode())
-        self.proc.stdin.flush()
-        return self.readline(timeout_s)
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.proc.stdin.write(b"quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(10)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        finally:
-            terminate_group(self.proc)
-            self.proc.stdin.close()
-            self.proc.stdout.close()
+        super().__init__([sys.executable, NODE, "--master", master, *extra])
+        self.segment: str = self.info["segment"]
 
 
 @pytest.fixture
