@@ -23,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from transfer_bench import ensure_original, log  # noqa: E402
+from transfer_bench import ensure_original, log, stop  # noqa: E402
 
 WORKLOAD = str(HERE / "store_workload.py")
 METRICS = [("put_4MiB_GBps", "put 4 MiB, put_from (GB/s)"), ("get_4MiB_GBps", "get 4 MiB, get_into (GB/s)"),
@@ -53,19 +53,14 @@ def spawn(cmd: list[str], **kw) -> subprocess.Popen:
     return subprocess.Popen(cmd, start_new_session=True, **kw)
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
+def stop_all(procs: list[subprocess.Popen]) -> None:
     for p in reversed(procs):
         if p.stdin:
             try:
                 p.stdin.close()
             except OSError:
                 pass
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        stop(p)
 
 
 def run_system(py: str, impl: str, master: str, metadata: str, a: argparse.Namespace,
@@ -85,7 +80,7 @@ def run_system(py: str, impl: str, master: str, metadata: str, a: argparse.Names
             raise RuntimeError(f"{impl} client failed: {out.stderr[-2000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
-        stop(procs)
+        stop_all(procs)
 
 
 def bench_ours(a: argparse.Namespace) -> dict:
@@ -95,7 +90,7 @@ def bench_ours(a: argparse.Namespace) -> dict:
         port = int(master.stdout.readline().split()[1])
         return run_system(sys.executable, "ours", f"127.0.0.1:{port}", "P2PHANDSHAKE", a, [])
     finally:
-        stop([master])
+        stop(master)
 
 
 def bench_original(py: Path, a: argparse.Namespace) -> dict:
@@ -111,7 +106,7 @@ def bench_original(py: Path, a: argparse.Namespace) -> dict:
         return run_system(str(py), "original", f"127.0.0.1:{rpc}",
                           f"http://127.0.0.1:{http}/metadata", a, [])
     finally:
-        stop([master])
+        stop(master)
 
 
 def bench_redis(a: argparse.Namespace) -> dict | None:
@@ -127,7 +122,7 @@ def bench_redis(a: argparse.Namespace) -> dict | None:
             wait_port(port)
             return run_system(sys.executable, "redis", "", "", a, ["--redis-port", str(port)])
         finally:
-            stop([server])
+            stop(server)
 
 
 def main() -> None:
@@ -159,11 +154,10 @@ def main() -> None:
         xo = vals["ours"] / vals["original"] if "original" in vals else None
         xr = vals["ours"] / vals["redis"] if "redis" in vals else None
         rows.append({"metric": key, **vals, "x_original": xo, "x_redis": xr})
-        fmt = (lambda v: f"{v:.2f}") if key.endswith("GBps") else (lambda v: f"{v:,.0f}")
-        print(f"| {label} | " + " | ".join(fmt(vals[c]) for c in cols)
-              + f" | {xo:.2f} |" if xo else f"| {label} | " + " | ".join(fmt(vals[c]) for c in cols) + " | |",
-              end="")
-        print(f" {xr:.2f} |" if xr else " |")
+        fmt = "{:.2f}" if key.endswith("GBps") else "{:,.0f}"
+        cells = [fmt.format(vals[c]) for c in cols]
+        cells += [f"{x:.2f}" if x is not None else "" for x in (xo, xr)]
+        print(f"| {label} | " + " | ".join(cells) + " |")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
