@@ -8,17 +8,15 @@ when ``MOONCAKE_CI=1``.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
-import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
-from helpers import free_port, terminate_group, wait_until
+from helpers import etcd_healthy, free_port, terminate_group, wait_until
 
 from mooncake_plugins.transfer.metadata import MetadataServer
 
@@ -51,15 +49,6 @@ def _two_free_ports() -> tuple[int, int]:
 def _tail(path: str, nbytes: int = 4000) -> str:
     with open(path, "rb") as log:
         return log.read()[-nbytes:].decode("utf-8", "replace")
-
-
-def _etcd_healthy(client_url: str) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(f"{client_url}/health", timeout=1.0) as response:
-            return bool(json.loads(response.read()).get("health") == "true")
-    except (OSError, ValueError):
-        return False
 
 
 def _redis_pongs(port: int) -> bool:
@@ -127,7 +116,7 @@ def etcd_server() -> Iterator[str]:
                "--initial-cluster", f"test={peer_url}",
                "--max-request-bytes", str(_ETCD_MAX_REQUEST_BYTES),
                "--logger", "zap", "--log-outputs", "stderr"]
-        return cmd, lambda: _etcd_healthy(client_url), client_url
+        return cmd, lambda: etcd_healthy(client_url), client_url
 
     proc = None
     try:

@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
@@ -204,3 +205,13 @@ class LineChild:
         finally:
             terminate_group(self.proc)
             self._stderr.close()
+
+
+def etcd_healthy(client_url: str) -> bool:
+    """Whether the etcd at ``client_url`` answers ``/health`` with health true."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"{client_url}/health", timeout=1.0) as response:
+            return bool(json.loads(response.read()).get("health") == "true")
+    except (OSError, ValueError):
+        return False

@@ -1,6 +1,6 @@
 """P2P store: real node processes (tests/p2p/node.py) over the HTTP metadata server, etcd
-and Redis; fan-out through earlier getters, dead holders, unregister/list, bad inputs and
-lossless concurrent directory updates."""
+and Redis; fan-out through earlier getters, dead holders, unregister/list, bad inputs,
+lossless concurrent directory updates and a metadata server that cannot list."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,10 +23,10 @@ import pytest
 from helpers import terminate_group
 
 from mooncake_plugins.config import EngineConfig
-from mooncake_plugins.errors import (InvalidArgument, ObjectAlreadyExists, ObjectNotFound,
-                                     TransferError)
+from mooncake_plugins.errors import (InvalidArgument, MetadataError, ObjectAlreadyExists,
+                                     ObjectNotFound, TransferError)
 from mooncake_plugins.p2p import P2PStore
-from mooncake_plugins.p2p.store import _KeyDirectory, _SlotDirectory, _directory_for
+from mooncake_plugins.p2p.store import _Directory
 from mooncake_plugins.transfer import TransferEngine
 from mooncake_plugins.transfer.metadata import from_url
 
@@ -96,7 +97,8 @@ def _url(request: pytest.FixtureRequest, backend: str) -> str:
     return request.getfixturevalue("redis_server")
 
 
-BACKENDS = ["http", pytest.param("etcd", marks=pytest.mark.etcd)]
+BACKENDS = ["http", pytest.param("etcd", marks=pytest.mark.etcd),
+            pytest.param("redis", marks=pytest.mark.redis)]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -136,8 +138,6 @@ def expected_sha(seed: int, sizes: list[int] = PARTS) -> str:
 
 # -- cross-process ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("metadata_url",
-                         [*BACKENDS, pytest.param("redis", marks=pytest.mark.redis)], indirect=True)
 def test_later_getters_read_from_earlier_getters(spawn, ns):
     provider, *getters = [spawn() for _ in range(5)]
     assert provider.ok("register", name=ns + "ckpt/step-100", parts=PARTS, seed=7)["sha"] == \
@@ -308,20 +308,73 @@ def test_all_holders_unreachable(metadata_url, ns):
         assert a.engine.regions() == []
 
 
-@pytest.mark.parametrize("backend,kind", [
-    ("http", "slots"),
-    pytest.param("etcd", "keys", marks=pytest.mark.etcd),
-    pytest.param("etcd", "slots", marks=pytest.mark.etcd),
-    pytest.param("redis", "keys", marks=pytest.mark.redis),
-])
-def test_concurrent_directory_adds_lose_nothing(request, backend, kind):
+def test_buffers_registered_privately_elsewhere(stores, ns):
+    a, b = stores
+    src = bytearray(b"p" * 8192)
+    private = a.engine.register(src, private=True)  # not published: peers cannot read it
+    with pytest.raises(InvalidArgument, match="privately registered"):
+        a.register(ns + "private", [src])
+    a.engine.unregister(private)
+    a.register(ns + "private", [src])
+    dst = bytearray(8192)
+    region = b.engine.register(dst, private=True)
+    report = b.get_replica(ns + "private", [dst], serve=False)  # reads into it as it is
+    assert report.read_from == {a.segment: 8192} and bytes(dst) == bytes(src)
+    assert b.engine.regions() == [] and b.engine.is_registered(region.address, 8192)
+    b.engine.unregister(region)
+
+
+def test_list_is_by_plain_prefix_and_literal(stores, ns):
+    a, b = stores
+    names = ["ckpt/1", "ckpt/10", "ckpt/2/x", "glob*[a]?\\", "glob-other", "ключ/🙂"]
+    for name in names:
+        a.register(ns + name, [bytearray(4096)])
+    assert b.list(ns) == sorted(ns + n for n in names)
+    assert b.list(ns + "ckpt/1") == [ns + "ckpt/1", ns + "ckpt/10"]  # a string prefix
+    assert b.list(ns + "ckpt/2/") == [ns + "ckpt/2/x"]
+    assert b.list(ns + "glob*") == [ns + "glob*[a]?\\"]  # Redis glob characters are literal
+    assert b.list(ns + "glob?") == []
+    assert b.list(ns + "ключ/") == [ns + "ключ/🙂"]
+    with pytest.raises(InvalidArgument):
+        b.list(ns + "a\0")
+    a.unregister(ns + "ckpt/10")
+    assert b.list(ns + "ckpt/1") == [ns + "ckpt/1"]
+
+
+class _NoListingHandler(BaseHTTPRequestHandler):
+    """Stands in for the original Mooncake metadata server: ``key=`` only."""
+
+    def do_GET(self) -> None:
+        self.send_response(400)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_a_metadata_server_that_cannot_list_is_refused_at_once():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NoListingHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metadata"
+        with pytest.raises(MetadataError, match="cannot list keys"):
+            P2PStore(url)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_directory_adds_lose_nothing(request, backend):
     url = _url(request, backend)
     clients = [from_url(url) for _ in range(8)]
     try:
-        dirs = [_SlotDirectory(c) if kind == "slots" else _directory_for(c) for c in clients]
-        assert isinstance(dirs[0], _SlotDirectory if kind == "slots" else _KeyDirectory)
+        dirs = [_Directory(c) for c in clients]
         for round_ in range(4):
-            base = f"test/p2p-dir/{kind}/{time.monotonic_ns()}/{round_}"
+            base = f"test/p2p-dir/{time.monotonic_ns()}/{round_}"
             barrier = threading.Barrier(len(dirs))
             errors: list[BaseException] = []
 
@@ -338,14 +391,15 @@ def test_concurrent_directory_adds_lose_nothing(request, backend, kind):
             for t in threads:
                 t.join(60)
             assert not errors
-            got = sorted(dirs[0].entries(base))
-            assert got == sorted((f"m{i}", str(i).encode()) for i in range(len(dirs)))
+            assert dirs[1].entries(base) == [(f"m{i}", str(i).encode()) for i in range(8)]
+            clients[0].put(base + "-sibling/m9", b"not in the directory")
             dirs[0].remove(base, "m3")
-            dirs[0].remove(base, "m4", b"not-its-value")
-            assert [m for m, _ in dirs[1].entries(base, "m3")] == []
-            assert [m for m, _ in dirs[1].entries(base, "m4")] == ["m4"]
+            dirs[0].remove(base, "m3")  # removing a missing member is not an error
+            assert [m for m, _ in dirs[1].entries(base)] == [f"m{i}" for i in range(8) if i != 3]
             dirs[0].destroy(base)
             assert dirs[1].entries(base) == []
+            assert clients[1].get(base + "-sibling/m9") == b"not in the directory"
+            clients[0].delete(base + "-sibling/m9")
     finally:
         for c in clients:
             c.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -12,7 +11,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ from urllib.parse import urlsplit
 import etcd3gw
 import pytest
 import requests
-from helpers import free_port, spawn_ready, terminate_group, wait_until
+from helpers import etcd_healthy, free_port, spawn_ready, terminate_group, wait_until
 
 from mooncake_plugins.errors import InvalidArgument, MetadataError
 from mooncake_plugins.store.ha import (
@@ -368,15 +366,6 @@ def test_unreachable_etcd_is_a_clear_error(cluster: str) -> None:
 # etcd dying under a leader and a candidate (a private etcd this test may kill)
 # --------------------------------------------------------------------------------------------
 
-def _etcd_healthy(url: str) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(f"{url}/health", timeout=1.0) as response:
-            return bool(json.loads(response.read()).get("health") == "true")
-    except (OSError, ValueError):
-        return False
-
-
 @pytest.fixture
 def private_etcd() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """An etcd of this test alone: (process, endpoint ``127.0.0.1:<port>``)."""
@@ -400,7 +389,7 @@ def private_etcd() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True)
             url = client_url
-            if wait_until(lambda: proc.poll() is not None or _etcd_healthy(url), 30, 0.05) \
+            if wait_until(lambda: proc.poll() is not None or etcd_healthy(url), 30, 0.05) \
                     and proc.poll() is None:
                 break
             terminate_group(proc)

@@ -1,5 +1,6 @@
-"""Metadata service: one suite over the HTTP, etcd and Redis backends, URL parsing,
-HTTP server robustness, unreachable servers and the metadata server CLI."""
+"""Metadata service: one suite over the HTTP, etcd and Redis backends (put/get/delete and
+listing by prefix), URL parsing, HTTP server robustness (the listing route included), servers
+that cannot list, unreachable servers and the metadata server CLI."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
+import msgpack
 import pytest
 from helpers import spawn_ready, terminate_group
 
@@ -27,6 +30,7 @@ from mooncake_plugins.transfer.metadata.base import (
     MAX_VALUE_NBYTES,
     parse_url,
 )
+from mooncake_plugins.transfer.metadata.http import MAX_LIST_NBYTES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -195,6 +199,110 @@ def test_closed_store_raises(store: MetadataStore, key: str) -> None:
         store.get(key)
     with pytest.raises(MetadataError, match="closed"):
         store.put(key, b"v")
+    with pytest.raises(MetadataError, match="closed"):
+        store.list_prefix(key)
+
+
+# ---------------------------------------------------------------------------------------
+# Listing by prefix, on every backend
+# ---------------------------------------------------------------------------------------
+
+def test_list_prefix_is_a_plain_string_prefix(store: MetadataStore, key: str) -> None:
+    for suffix in ("/a/b", "/a/b/c", "/a/b/d/e", "/a/bc", "/a", "/ab", "/b"):
+        store.put(key + suffix, suffix.encode())
+    store.put(key + "-sibling/a/b", b"outside")
+    assert store.list_prefix(key + "/a/b") == [  # "a/b" also matches "a/bc"...
+        (key + "/a/b", b"/a/b"), (key + "/a/b/c", b"/a/b/c"), (key + "/a/b/d/e", b"/a/b/d/e"),
+        (key + "/a/bc", b"/a/bc")]
+    assert store.list_prefix(key + "/a/b/") == [  # ...so directories end with the separator
+        (key + "/a/b/c", b"/a/b/c"), (key + "/a/b/d/e", b"/a/b/d/e")]
+    assert [k for k, _ in store.list_prefix(key + "/")] == [
+        key + s for s in ("/a", "/a/b", "/a/b/c", "/a/b/d/e", "/a/bc", "/ab", "/b")]
+    assert store.list_prefix(key + "/a/b/c") == [(key + "/a/b/c", b"/a/b/c")]  # a whole key
+
+
+def test_list_prefix_of_nothing_is_empty(store: MetadataStore, key: str) -> None:
+    assert store.list_prefix(key) == []
+    store.put(key + "/x", b"v")
+    assert store.list_prefix(key + "/y") == []
+    assert store.list_prefix(key + "/x/") == []
+    store.delete(key + "/x")
+    assert store.list_prefix(key) == []
+
+
+def test_list_prefix_values_roundtrip(store: MetadataStore, key: str) -> None:
+    values = {"/empty": b"", "/bytes": bytes(range(256)) * 4, "/nuls": b"\0" * 100,
+              "/crlf": b"\r\n\r\n", "/big": os.urandom(1 << 20)}
+    for suffix, value in values.items():
+        store.put(key + suffix, value)
+    got = store.list_prefix(key + "/")
+    assert [k for k, _ in got] == sorted(key + s for s in values)
+    assert {k[len(key):]: _digest(v) for k, v in got} == {
+        s: _digest(v) for s, v in values.items()}
+    store.put(key + "/crlf", b"replaced")
+    assert store.list_prefix(key + "/crlf") == [(key + "/crlf", b"replaced")]
+
+
+@pytest.mark.parametrize("suffix", ["*", "?", "[a]", "[!a]", "\\", "a\\*", "%2A", "^-"],
+                         ids=["star", "question", "class", "negated", "backslash",
+                              "escaped-star", "percent", "caret-dash"])
+def test_list_prefix_glob_characters_are_literal(store: MetadataStore, key: str,
+                                                 suffix: str) -> None:
+    # Read as a glob, each suffix would match some of these keys; literally, none.
+    for other in ("/a", "/ax", "/b", "/x", "/a*", "/a\\", "/%2a"):
+        store.put(key + other, b"other")
+    store.put(key + "/" + suffix, b"exact")
+    store.put(key + "/" + suffix + "/child", b"child")
+    assert store.list_prefix(key + "/" + suffix) == [
+        (key + "/" + suffix, b"exact"), (key + "/" + suffix + "/child", b"child")]
+
+
+def test_list_prefix_of_non_ascii_keys(store: MetadataStore, key: str) -> None:
+    # "п" is D0 BF in UTF-8 and "р" is D1 80: the prefix's range end must be built on bytes.
+    for suffix in ("/п", "/п/1", "/пa", "/р", "/р/1", "/ж", "/з", "/🙂/x", "/🙃/x"):
+        store.put(key + suffix, suffix.encode())
+    assert [k for k, _ in store.list_prefix(key + "/п")] == [key + "/п", key + "/п/1",
+                                                             key + "/пa"]
+    assert [k for k, _ in store.list_prefix(key + "/ж")] == [key + "/ж"]
+    assert store.list_prefix(key + "/🙂") == [(key + "/🙂/x", "/🙂/x".encode())]
+
+
+def test_list_prefix_of_many_keys(store: MetadataStore, key: str) -> None:
+    nkeys = 1100  # more than one Redis SCAN/MGET batch
+    for i in range(nkeys):
+        store.put(f"{key}/{i:05d}", str(i).encode())
+    got = store.list_prefix(key + "/")
+    assert got == [(f"{key}/{i:05d}", str(i).encode()) for i in range(nkeys)]
+    assert len(store.list_prefix(key + "/001")) == 100
+
+
+def test_list_prefix_sees_concurrent_writers_finish(store: MetadataStore, key: str) -> None:
+    errors: list[BaseException] = []
+
+    def writer(thread_id: int) -> None:
+        try:
+            for i in range(20):
+                store.put(f"{key}/{thread_id}/{i:02d}", b"v")
+                store.list_prefix(f"{key}/")  # listings interleave with the writes
+        except BaseException as exc:  # reported by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    assert [k for k, _ in store.list_prefix(key + "/")] == [
+        f"{key}/{t}/{i:02d}" for t in range(4) for i in range(20)]
+
+
+@pytest.mark.parametrize("bad_prefix", [
+    "", "a\0b", "k" * (MAX_KEY_NBYTES + 1), "\ud800", b"bytes-prefix", None, 42,
+], ids=["empty", "nul", "too-long", "surrogate", "bytes", "none", "int"])
+def test_bad_prefixes_are_rejected(store: MetadataStore, bad_prefix: object) -> None:
+    with pytest.raises(InvalidArgument, match="prefix"):
+        store.list_prefix(bad_prefix)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------
@@ -343,7 +451,9 @@ def test_unreachable_server_raises_metadata_error_naming_the_url(dead_port: int,
             store.get("k")
         with pytest.raises(MetadataError) as delete_info:
             store.delete("k")
-        for info in (put_info, get_info, delete_info):
+        with pytest.raises(MetadataError) as list_info:
+            store.list_prefix("k")
+        for info in (put_info, get_info, delete_info, list_info):
             assert url in str(info.value)
     finally:
         store.close()
@@ -420,9 +530,28 @@ def test_http_protocol_matches_the_original(metadata_server: MetadataServer) -> 
      + str(MAX_VALUE_NBYTES + 1).encode() + b"\r\n\r\n", 413),
     (b"PUT /metadata?key=a HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999999999\r\n\r\n",
      413),
+    (b"GET /metadata?prefix= HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /metadata?prefix HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /metadata?prefix=%ff HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /metadata?prefix=a%00 HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /metadata?prefix=" + b"k" * (MAX_KEY_NBYTES + 1) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+     400),
+    (b"GET /metadata?prefix=a&prefix=b HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /metadata?key=a&prefix=a HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /metadata?prefix=a&key=a HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"PUT /metadata?key=a&prefix=a HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx", 400),
+    (b"PUT /metadata?prefix=a HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx", 400),
+    (b"DELETE /metadata?prefix=a HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"DELETE /metadata?key=a&prefix=a HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"POST /metadata?prefix=a HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx", 405),
+    (b"GET /other?prefix=a HTTP/1.1\r\nHost: x\r\n\r\n", 404),
 ], ids=["garbage", "no-key", "empty-key", "other-param", "non-utf8-key", "nul-key",
         "other-path", "post", "patch", "unknown-method", "no-length", "chunked",
-        "length-not-a-number", "negative-length", "two-lengths", "over-16MiB", "huge-length"])
+        "length-not-a-number", "negative-length", "two-lengths", "over-16MiB", "huge-length",
+        "empty-prefix", "bare-prefix", "non-utf8-prefix", "nul-prefix", "too-long-prefix",
+        "two-prefixes", "key-and-prefix", "prefix-and-key", "put-key-and-prefix",
+        "put-prefix", "delete-prefix", "delete-key-and-prefix", "post-prefix",
+        "other-path-prefix"])
 def test_http_server_answers_bad_requests_with_4xx(metadata_server: MetadataServer,
                                                    request_bytes: bytes, status: int) -> None:
     reply = _exchange(metadata_server.port, request_bytes)
@@ -431,6 +560,136 @@ def test_http_server_answers_bad_requests_with_4xx(metadata_server: MetadataServ
     with _open(metadata_server.url) as store:
         assert store.get("a") is None
     _assert_still_serving(metadata_server)
+
+
+def test_http_listing_route(metadata_server: MetadataServer) -> None:
+    with _open(metadata_server.url) as store:
+        store.put("seg/b", b"\x00two")
+        store.put("seg/a", b"one")
+        store.put("seg/a b&c=d", b"")
+        store.put("segment", b"not under seg/")
+    conn = http.client.HTTPConnection("127.0.0.1", metadata_server.port, timeout=10)
+    try:
+        conn.request("GET", "/metadata?prefix=" + quote("seg/", safe=""))
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.getheader("Content-Type") == "application/msgpack"
+        assert msgpack.unpackb(response.read(), raw=False) == [
+            ["seg/a", b"one"], ["seg/a b&c=d", b""], ["seg/b", b"\x00two"]]
+        conn.request("GET", "/metadata?prefix=nothing")  # the connection is reused
+        response = conn.getresponse()
+        assert (response.status, response.read()) == (200, msgpack.packb([]))
+        conn.request("GET", "/metadata?key=seg/a")  # key= answers exactly as before
+        response = conn.getresponse()
+        assert (response.status, response.read()) == (200, b"one")
+        conn.request("GET", "/metadata?key=seg/a&prefix=seg/")
+        response = conn.getresponse()
+        assert (response.status, response.read()) == (400, b"give either key or prefix, not both")
+    finally:
+        conn.close()
+
+
+def test_http_listing_over_64MiB_is_refused_with_413(metadata_server: MetadataServer,
+                                                     key: str) -> None:
+    value = os.urandom(MAX_VALUE_NBYTES)
+    with _open(metadata_server.url, timeout_s=30.0) as store:
+        for i in range(MAX_LIST_NBYTES // MAX_VALUE_NBYTES - 1):
+            store.put(f"{key}/{i}", value)
+        assert len(store.list_prefix(key + "/")) == 3  # 48 MiB: still served
+        store.put(f"{key}/last", value)
+        with pytest.raises(MetadataError, match="over 67108864 bytes; list a longer prefix"):
+            store.list_prefix(key + "/")
+        assert [k for k, _ in store.list_prefix(key + "/l")] == [f"{key}/last"]
+    reply = _exchange(metadata_server.port,
+                      f"GET /metadata?prefix={key}/ HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert _status(reply) == 413 and b"Connection: close" in reply
+    _assert_still_serving(metadata_server)
+
+
+def test_http_listing_with_a_body_closes_the_connection(
+        metadata_server: MetadataServer) -> None:
+    reply = _exchange(metadata_server.port, b"GET /metadata?prefix=a HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Length: 26\r\n\r\nGET /metadata?key=a HTTP/1.1")
+    assert _status(reply) == 200 and b"Connection: close" in reply
+    assert reply.count(b"HTTP/1.1 ") == 1  # the body was not taken for a second request
+    _assert_still_serving(metadata_server)
+
+
+def test_http_head_on_the_listing_route_gets_405(metadata_server: MetadataServer) -> None:
+    reply = _exchange(metadata_server.port,
+                      b"HEAD /metadata?prefix=a HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _status(reply) == 405
+    assert reply.endswith(b"\r\n\r\n")
+
+
+class _FixedReplyHandler(BaseHTTPRequestHandler):
+    """Answers every GET with the server's ``reply``: (status, content type, body)."""
+
+    protocol_version = "HTTP/1.1"
+    server: _FixedReplyServer
+
+    def do_GET(self) -> None:
+        status, content_type, body = self.server.reply
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _FixedReplyServer(ThreadingHTTPServer):
+    daemon_threads = True
+    reply: tuple[int, str, bytes]
+
+
+@pytest.fixture
+def fixed_reply_server() -> Iterator[_FixedReplyServer]:
+    """An HTTP server that answers every GET with ``server.reply`` (set by the test)."""
+    server = _FixedReplyServer(("127.0.0.1", 0), _FixedReplyHandler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("reply", [
+    (400, "text/plain", b"metadata key is required"),  # the original Mooncake server
+    (404, "text/plain", b"not found"),
+    (405, "text/plain", b"method not allowed"),
+    (200, "application/octet-stream", b"a value, prefix= ignored"),
+], ids=["original-400", "404", "405", "ignores-prefix"])
+def test_http_server_that_cannot_list(fixed_reply_server: _FixedReplyServer,
+                                      reply: tuple[int, str, bytes]) -> None:
+    fixed_reply_server.reply = reply
+    with _open(f"http://127.0.0.1:{fixed_reply_server.server_address[1]}/metadata") as store:
+        with pytest.raises(MetadataError, match="cannot list keys") as info:
+            store.list_prefix("seg/")
+    assert f"HTTP {reply[0]}" in str(info.value)
+
+
+@pytest.mark.parametrize("body, match", [
+    (b"\xc1", "malformed"),
+    (msgpack.packb([["seg/a", b"v"]]) + b"\x00", "malformed"),
+    (msgpack.packb({"seg/a": b"v"}), "not an array"),
+    (msgpack.packb([["seg/a", "str value"]]), "bad entry"),
+    (msgpack.packb([["seg/a", b"v", 3]]), "bad entry"),
+    (msgpack.packb([["other", b"v"]]), "bad entry"),
+    (msgpack.packb([[b"seg/a", b"v"]]), "bad entry"),
+], ids=["invalid", "trailing", "map", "str-value", "triple", "outside-prefix", "bin-key"])
+def test_http_client_rejects_a_malformed_listing(fixed_reply_server: _FixedReplyServer,
+                                                 body: bytes, match: str) -> None:
+    fixed_reply_server.reply = (200, "application/msgpack", body)
+    with _open(f"http://127.0.0.1:{fixed_reply_server.server_address[1]}/metadata") as store:
+        with pytest.raises(MetadataError, match=match):
+            store.list_prefix("seg/")
 
 
 def test_http_server_head_gets_405_without_body(metadata_server: MetadataServer) -> None:
