@@ -9,39 +9,27 @@ beyond its transfer server); only small records go through the metadata service.
 
 Metadata layout (values are msgpack; ``<id>`` is a fresh hex id per registration)::
 
-    mooncake/p2p/objects/<name>   record: id, provider segment, total and per-part nbytes
-    mooncake/p2p/holders/<id>/... directory: holder segment -> address of each part
-    mooncake/p2p/index/...        directory: object name -> id (what list() reads)
+    mooncake/p2p/objects/<name>             record: id, provider segment, total and per-part
+                                            nbytes; list() lists this prefix
+    mooncake/p2p/holders/<id>/<segment>     one key per holder: the address of each part
 
-Directories without compare-and-set. :class:`MetadataStore` has put/get/delete only: no
-list and no CAS, so a shared "holder list" value would lose entries when two getters
-rewrite it at once. Every directory entry therefore has a writer of its own:
-
-* etcd and Redis can range over a key prefix, so there a directory is one key per member,
-  ``<dir>/k/<member>``, written only by that member; listing is a prefix range (etcd) or
-  SCAN (Redis), done with the backend's own client. This module recognises those backends
-  by class (the only place that reaches into them) -- :class:`_KeyDirectory`.
-* The HTTP metadata service cannot list, so a directory is a chain of one-shot slots
-  ``<dir>/s/<i>/{x,y,e}`` -- :class:`_SlotDirectory`. A member claims a slot with the
-  Moir-Anderson *splitter* (write x=token; if y is set, move on; set y; if x is still
-  the token the slot is ours), which needs only atomic registers: at most one claimant
-  wins a slot and a claimant without competition always wins. The winner writes its entry
-  to ``e``. ``y`` is never deleted while the directory lives, and nobody gets past slot i
-  without ``y[i]`` set, so a reader that walks slots until the first missing ``y`` sees
-  every add that completed before its walk. Slots are not reused: a directory costs one
-  slot per add ever made (per object: per holder; the index: per ``register``).
+:class:`MetadataStore` has no compare-and-set, so a shared "holder list" value would lose
+entries when two getters rewrite it at once. Instead every holder writes (and removes) only
+its own key, and readers list the directory with :meth:`MetadataStore.list_prefix`, which
+every backend offers (an HTTP metadata server must be this package's: the original
+Mooncake's cannot list, and the constructor then raises MetadataError).
 
 Semantics chosen:
 
 * The provider owns the name. Its ``unregister`` (or ``close``) withdraws the object: the
-  record, index entry and holder directory are deleted, and later getters get
-  ObjectNotFound; replicas already fetched stay valid in their owners' buffers.
+  record and holder directory are deleted, and later getters get ObjectNotFound; replicas
+  already fetched stay valid in their owners' buffers.
 * A replica holder's ``unregister`` removes only its own holder entry. If no listed holder
   is left alive (the provider crashed without unregistering), it deletes the record too.
 * A crashed holder stays listed until a getter trips over it: the getter reads its chunks
-  from another holder and, when the holder's engine no longer answers a describe probe,
-  removes its entry so later getters do not try it again. Nothing expires by itself: the
-  metadata service has no TTLs.
+  from another holder and, when :meth:`TransferEngine.probe` finds the holder's engine
+  gone, removes its entry so later getters do not try it again. Nothing expires by itself:
+  the metadata service has no TTLs.
 * Registering a name that exists raises ObjectAlreadyExists unless ``replace=True``. Two
   nodes registering the same new name at the same moment both succeed; the later record wins.
 
@@ -53,12 +41,10 @@ from __future__ import annotations
 
 import logging
 import random
-import sys
 import threading
 import time
 import uuid
 import warnings
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -77,10 +63,9 @@ log = logging.getLogger(__name__)
 PREFIX = "mooncake/p2p/"
 OBJECTS = PREFIX + "objects/"
 HOLDERS = PREFIX + "holders/"
-INDEX = PREFIX + "index"
+_PROBE = PREFIX + "probe/"  # never written: listing it checks that the service can list
 MAX_NAME_NBYTES = 512
 DEFAULT_CHUNK_NBYTES = 4 << 20
-_MAX_SLOTS = 1 << 20  # a corrupted chain must not make a walk endless
 _RELEASE_TIMEOUT_S = 10.0
 
 Buffer = Any  # a buffer object, a CPU tensor, a ManagedBuffer or an (address, nbytes) pair
@@ -152,139 +137,36 @@ def _decode_holder(raw: bytes, nparts: int) -> HolderInfo | None:
     return None
 
 
-# -- directories ----------------------------------------------------------------------------
+# -- holder directories ---------------------------------------------------------------------
 
-class _Directory(ABC):
-    """A set of ``member -> value`` entries under one key prefix; concurrent adds of
-    different members never lose each other. Methods block on metadata I/O."""
+class _Directory:
+    """A set of ``member -> value`` entries under ``<base>/``, one key per member.
+
+    Each member writes and removes only its own key ``<base>/<member>``, so concurrent adds
+    of different members never lose each other; :meth:`entries` lists the prefix. Methods
+    block on metadata I/O and may be called from any thread.
+    """
 
     def __init__(self, store: MetadataStore) -> None:
         self.store = store
 
-    @abstractmethod
     def add(self, base: str, member: str, value: bytes) -> None:
-        """Add (or, for the key directory, replace) ``member``'s entry."""
+        """Add or replace ``member``'s entry."""
+        self.store.put(f"{base}/{member}", value)
 
-    @abstractmethod
-    def remove(self, base: str, member: str, value: bytes | None = None) -> None:
-        """Remove ``member``'s entries (only those equal to ``value`` when given)."""
+    def remove(self, base: str, member: str) -> None:
+        """Remove ``member``'s entry; a missing one is not an error."""
+        self.store.delete(f"{base}/{member}")
 
-    @abstractmethod
-    def entries(self, base: str, member_prefix: str = "") -> list[tuple[str, bytes]]:
-        """Every current ``(member, value)`` whose member starts with ``member_prefix``."""
-
-    @abstractmethod
-    def destroy(self, base: str) -> None:
-        """Delete the whole directory (best effort against concurrent adds)."""
-
-
-class _SlotDirectory(_Directory):
-    """One-shot slots claimed with a splitter; needs nothing but put/get/delete."""
-
-    @staticmethod
-    def _key(base: str, i: int, leaf: str) -> str:
-        return f"{base}/s/{i}/{leaf}"
-
-    def add(self, base: str, member: str, value: bytes) -> None:
-        token = uuid.uuid4().hex.encode()
-        get, put = self.store.get, self.store.put
-        for i in range(_MAX_SLOTS):
-            if get(self._key(base, i, "y")) is not None:
-                continue  # taken before we arrived
-            put(self._key(base, i, "x"), token)
-            if get(self._key(base, i, "y")) is not None:
-                continue  # someone passed here first
-            put(self._key(base, i, "y"), b"1")
-            if get(self._key(base, i, "x")) == token:  # nobody wrote x since: the slot is ours
-                put(self._key(base, i, "e"), msgpack.packb([member, value], use_bin_type=True))
-                return
-        raise MetadataError(f"P2P directory {base!r} has over {_MAX_SLOTS} slots")
-
-    def _walk(self, base: str) -> list[tuple[int, str, bytes]]:
-        out = []
-        for i in range(_MAX_SLOTS):
-            raw = self.store.get(self._key(base, i, "e"))
-            if raw is None:
-                if self.store.get(self._key(base, i, "y")) is None:
-                    return out
-                continue  # claimed and freed, or its winner is still writing
-            try:
-                member, value = msgpack.unpackb(raw, raw=False)
-                if isinstance(member, str) and isinstance(value, bytes):
-                    out.append((i, member, value))
-                    continue
-            except (ValueError, TypeError, msgpack.ExtraData):
-                pass
-            log.warning("ignoring malformed P2P slot %s", self._key(base, i, "e"))
-        raise MetadataError(f"P2P directory {base!r} has over {_MAX_SLOTS} slots")
-
-    def remove(self, base: str, member: str, value: bytes | None = None) -> None:
-        for i, m, v in self._walk(base):
-            if m == member and (value is None or v == value):
-                self.store.delete(self._key(base, i, "e"))
-
-    def entries(self, base: str, member_prefix: str = "") -> list[tuple[str, bytes]]:
-        return [(m, v) for _, m, v in self._walk(base) if m.startswith(member_prefix)]
+    def entries(self, base: str) -> list[tuple[str, bytes]]:
+        """Every current ``(member, value)``, sorted by member."""
+        head = f"{base}/"
+        return [(k[len(head):], v) for k, v in self.store.list_prefix(head)]
 
     def destroy(self, base: str) -> None:
-        for i in range(_MAX_SLOTS):
-            present = self.store.get(self._key(base, i, "y")) is not None
-            for leaf in ("e", "x", "y"):
-                self.store.delete(self._key(base, i, leaf))
-            if not present:
-                return
-
-
-class _KeyDirectory(_Directory):
-    """One key per member, listed with the backend's prefix range (etcd) or SCAN (Redis)."""
-
-    def __init__(self, store: MetadataStore, kind: str) -> None:
-        super().__init__(store)
-        self.kind = kind
-
-    def _scan(self, prefix: str) -> list[tuple[str, bytes]]:
-        client = self.store._client  # noqa: SLF001 - the listing MetadataStore lacks
-        try:
-            if self.kind == "etcd":
-                with self.store._lock:  # noqa: SLF001 - the store serialises its session
-                    items = client.get_prefix(prefix.encode("utf-8"))
-                return [(meta["key"].decode("utf-8"), value) for value, meta in items]
-            pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
-            keys = sorted(client.scan_iter(match=pattern.encode("utf-8"), count=1000))
-            values = client.mget(keys) if keys else []
-            return [(k.decode("utf-8"), v) for k, v in zip(keys, values) if v is not None]
-        except MooncakeError:
-            raise
-        except Exception as exc:  # the clients' own errors, connection errors
-            raise MetadataError(f"{self.kind} {self.store.url}: listing {prefix!r} failed: "
-                                f"{exc}") from exc
-
-    def add(self, base: str, member: str, value: bytes) -> None:
-        self.store.put(f"{base}/k/{member}", value)
-
-    def remove(self, base: str, member: str, value: bytes | None = None) -> None:
-        key = f"{base}/k/{member}"
-        if value is None or self.store.get(key) == value:
-            self.store.delete(key)
-
-    def entries(self, base: str, member_prefix: str = "") -> list[tuple[str, bytes]]:
-        head = f"{base}/k/"
-        return [(k[len(head):], v) for k, v in self._scan(head + member_prefix)]
-
-    def destroy(self, base: str) -> None:
-        for k, _ in self._scan(f"{base}/k/"):
-            self.store.delete(k)
-
-
-def _directory_for(store: MetadataStore) -> _Directory:
-    """The key directory where the backend can list a prefix, else the slot directory."""
-    etcd = sys.modules.get("mooncake_plugins.transfer.metadata.etcd")
-    if etcd is not None and isinstance(store, etcd.EtcdMetadataStore):
-        return _KeyDirectory(store, "etcd")
-    redis = sys.modules.get("mooncake_plugins.transfer.metadata.redis")
-    if redis is not None and isinstance(store, redis.RedisMetadataStore):
-        return _KeyDirectory(store, "redis")
-    return _SlotDirectory(store)
+        """Delete every entry (one added concurrently may survive; it is then orphaned)."""
+        for member, _ in self.entries(base):
+            self.remove(base, member)
 
 
 # -- the store ------------------------------------------------------------------------------
@@ -344,9 +226,11 @@ class P2PStore:
 
     Raises:
         InvalidArgument: a malformed or P2PHANDSHAKE URL, a bad chunk size.
-        MetadataError: the metadata backend is unavailable.
+        MetadataError: the metadata backend is unavailable or unreachable, or cannot list
+            keys (an HTTP metadata server other than this package's).
 
-    Called from any thread; the constructor blocks while an engine is created.
+    Called from any thread; the constructor blocks on one metadata listing (checking that
+    the service can list) and while an engine is created.
     """
 
     def __init__(self, metadata_url: str, local_hostname: str = "127.0.0.1",
@@ -360,10 +244,11 @@ class P2PStore:
         store = from_url(metadata_url)
         assert store is not None
         self._meta: MetadataStore = store
-        self._dir = _directory_for(store)
+        self._dir = _Directory(store)
         self._chunk_nbytes = chunk_nbytes
         self._owns_engine = engine is None
         try:
+            store.list_prefix(_PROBE)  # fail now, not at the first describe(), if it cannot list
             self.engine = engine if engine is not None else TransferEngine(local_hostname,
                                                                            metadata_url)
         except BaseException:
@@ -374,8 +259,7 @@ class P2PStore:
         self._held: dict[str, _Holding | None] = {}  # None: an operation on it is running
         self._last_chosen: dict[str, float] = {}
         self._closed = False
-        log.info("P2P store on segment %s, metadata %s (%s directory)", self.segment,
-                 metadata_url, type(self._dir).__name__)
+        log.info("P2P store on segment %s, metadata %s", self.segment, metadata_url)
 
     # -- metadata helpers ----------------------------------------------------------------
     def describe(self, name: str) -> ObjectInfo:
@@ -403,20 +287,22 @@ class P2PStore:
     def list(self, prefix: str = "") -> list[str]:
         """Names of the registered objects starting with ``prefix``, sorted.
 
-        Blocks on metadata I/O (one read per listed name, to drop withdrawn objects).
+        A plain string prefix: ``"ckpt/1"`` also lists ``"ckpt/10"``. Malformed records are
+        skipped. Raises: InvalidArgument, MetadataError. Blocks on one metadata listing.
         """
         self._check_open()
         if not isinstance(prefix, str):
             raise InvalidArgument(f"prefix must be a str, got {type(prefix).__name__}")
-        names = set()
-        for name, object_id in self._dir.entries(INDEX, prefix):
-            raw = self._meta.get(OBJECTS + name)
+        names = []
+        for key, raw in self._meta.list_prefix(OBJECTS + prefix):
+            name = key[len(OBJECTS):]
             try:
-                if raw is not None and _decode_record(name, raw).object_id == object_id.decode():
-                    names.add(name)
-            except (MetadataError, UnicodeDecodeError):
+                _decode_record(name, raw)
+            except MetadataError as exc:
+                log.warning("list() skips a P2P object: %s", exc)
                 continue
-        return sorted(names)
+            names.append(name)
+        return names
 
     # -- buffers ---------------------------------------------------------------------------
     def _prepare(self, buffers: Sequence[Buffer], writable: bool, private: bool
@@ -440,11 +326,8 @@ class P2PStore:
                 published = next((r for r in self.engine.regions()
                                   if r.contains(address, nbytes)), None)
                 if published is None:
-                    try:
-                        self.engine.local_view(address, nbytes)
-                        covered = True  # registered privately by someone else
-                    except MooncakeError:
-                        covered = False
+                    # registered privately (by someone else), or not registered at all
+                    covered = self.engine.is_registered(address, nbytes)
                     if covered and not private:
                         raise InvalidArgument(f"part {i} lies in a privately registered region "
                                               "that peers cannot read; register it public")
@@ -535,7 +418,6 @@ class P2PStore:
                     {"v": 1, "id": info.object_id, "provider": self.segment,
                      "nbytes": info.nbytes, "part_nbytes": list(info.part_nbytes),
                      "created_s": time.time()}, use_bin_type=True))
-                self._dir.add(INDEX, name, info.object_id.encode())
             except BaseException:
                 self._withdraw(holding, quiet=True)
                 holding = None
@@ -652,10 +534,14 @@ class P2PStore:
             log.warning("could not delist %s: %s", holder.segment, exc2)
 
     def _alive(self, segment: str) -> bool:
-        """Whether ``segment``'s engine answers a describe on its rpc port (blocks, bounded by
-        the engine's connect timeout)."""
+        """Whether ``segment``'s engine answers :meth:`TransferEngine.probe` (blocks, bounded
+        by the engine's connect timeout).
+
+        SegmentNotFound (unpublished or not answering) means gone; so does any other engine
+        error, such as a malformed descriptor: such a holder cannot be read from either.
+        """
         try:
-            self.engine.open_segment(segment).refresh()
+            self.engine.probe(segment)
             return True
         except MooncakeError:
             self.engine.close_segment(segment)
@@ -695,7 +581,6 @@ class P2PStore:
                 raw = self._meta.get(OBJECTS + info.name)
                 if raw is not None and _decode_record(info.name, raw).object_id == info.object_id:
                     self._meta.delete(OBJECTS + info.name)
-                self._dir.remove(INDEX, info.name, info.object_id.encode())
                 self._dir.destroy(base)
         except MooncakeError as exc:
             if not quiet:

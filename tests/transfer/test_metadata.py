@@ -669,9 +669,9 @@ def fixed_reply_server() -> Iterator[_FixedReplyServer]:
 def test_http_server_that_cannot_list(fixed_reply_server: _FixedReplyServer,
                                       reply: tuple[int, str, bytes]) -> None:
     fixed_reply_server.reply = reply
-    with _open(f"http://127.0.0.1:{fixed_reply_server.server_address[1]}/metadata") as store:
-        with pytest.raises(MetadataError, match="cannot list keys") as info:
-            store.list_prefix("seg/")
+    url = f"http://127.0.0.1:{fixed_reply_server.server_address[1]}/metadata"
+    with _open(url) as store, pytest.raises(MetadataError, match="cannot list keys") as info:
+        store.list_prefix("seg/")
     assert f"HTTP {reply[0]}" in str(info.value)
 
 
@@ -687,9 +687,9 @@ def test_http_server_that_cannot_list(fixed_reply_server: _FixedReplyServer,
 def test_http_client_rejects_a_malformed_listing(fixed_reply_server: _FixedReplyServer,
                                                  body: bytes, match: str) -> None:
     fixed_reply_server.reply = (200, "application/msgpack", body)
-    with _open(f"http://127.0.0.1:{fixed_reply_server.server_address[1]}/metadata") as store:
-        with pytest.raises(MetadataError, match=match):
-            store.list_prefix("seg/")
+    url = f"http://127.0.0.1:{fixed_reply_server.server_address[1]}/metadata"
+    with _open(url) as store, pytest.raises(MetadataError, match=match):
+        store.list_prefix("seg/")
 
 
 def test_http_server_head_gets_405_without_body(metadata_server: MetadataServer) -> None:
