@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..config import EngineConfig
-from ..errors import (BufferTooSmall, ClientNotFound, InvalidParams, LeaseExpired, MooncakeError,
+from ..errors import (BufferTooSmall, ClientNotFound, SegmentAlreadyExists, InvalidParams, LeaseExpired, MooncakeError,
                       NotSupported, RpcFailed, StoreError, StoreTransferFailed,
                       store_error)
 from ..transfer import OpCode, TransferEngine, TransferRequest, memory
@@ -50,6 +50,9 @@ def _pair(local: Sequence[tuple[int, int]], shards: Sequence[Sequence]) -> list[
     The object's bytes are laid out in order over both lists; a run ends wherever a piece
     or a shard does. Local room beyond the object (a larger buffer) is left untouched.
     """
+    if len(local) == 1 and len(shards) == 1:  # the common case: one buffer, one shard
+        seg, remote, n = shards[0]
+        return [(local[0][0], seg, remote, n)]
     runs = []
     li, loff = 0, 0
     for seg, remote, n in shards:
@@ -127,7 +130,7 @@ class StoreClient:
         self._local_segments: dict[str, bool] = {}
         self._closed = False
         self._stop = threading.Event()
-        info = self._register()
+        info = self._register(self._rpc)
         self._lease_ttl_s = info["lease_ttl_ms"] / 1000
         if self._offload_dir and not info["enable_offload"]:
             log.warning("master has offload disabled: objects are not written to %s", self._offload_dir)
@@ -146,27 +149,38 @@ class StoreClient:
     def master_address(self) -> str:
         return self._rpc.address
 
-    def _register(self) -> dict:
-        info = self._rpc.call("register_client", client_id=self.client_id, host_id=self._host_id)
+    def _register(self, rpc: RpcClient) -> dict:
+        """Register with ``rpc``'s master and mount our segment there (idempotent)."""
+        info = rpc.call("register_client", client_id=self.client_id, host_id=self._host_id)
         if self._segment is not None:
-            self._rpc.call("mount_segment", client_id=self.client_id, segment=self.segment_name,
-                           base=self._segment.address, nbytes=self._segment.nbytes)
+            try:
+                rpc.call("mount_segment", client_id=self.client_id, segment=self.segment_name,
+                         base=self._segment.address, nbytes=self._segment.nbytes)
+            except SegmentAlreadyExists:
+                pass  # another of our threads remounted it a moment ago
         return info
 
-    def _failover(self, failed: RpcClient) -> None:
-        """Find the (new) leader and register with it again."""
+    def _failover(self, failed: RpcClient, unreachable: bool) -> None:
+        """Register again: with the same master when it forgot us, else (HA) with the new leader.
+
+        The new connection is published only once registration succeeded, so other
+        threads never call a master that does not know us yet.
+        """
         with self._rpc_lock:
             if self._rpc is not failed:
-                return  # another thread did it already
-            if self._ha is not None:
+                return  # another thread moved to a new master already
+            rpc = failed
+            if unreachable and self._ha is not None:
                 from .ha import wait_for_leader
 
                 leader = wait_for_leader(*self._ha, timeout_s=max(30.0, self._rpc_timeout_s),
                                          exclude=failed.address)
                 log.warning("store master moved: %s -> %s", failed.address, leader)
-                self._rpc = RpcClient(*_split(leader), timeout_s=self._rpc_timeout_s)
+                rpc = RpcClient(*_split(leader), timeout_s=self._rpc_timeout_s)
+            self._register(rpc)
+            if rpc is not failed:
+                self._rpc = rpc
                 failed.close()
-            self._register()
 
     def _call(self, method: str, **args: Any) -> Any:
         """RPC with one retry after re-registering (expired client) or a leader change."""
@@ -174,11 +188,11 @@ class StoreClient:
         try:
             return rpc.call(method, **args)
         except ClientNotFound:
-            self._failover(rpc)
+            self._failover(rpc, unreachable=False)
         except (RpcFailed, NotSupported):
             if self._ha is None:
                 raise
-            self._failover(rpc)
+            self._failover(rpc, unreachable=True)
         return self._rpc.call(method, **args)
 
     def _heartbeat_loop(self, interval_s: float) -> None:
@@ -188,16 +202,16 @@ class StoreClient:
                 rpc.call("heartbeat", client_id=self.client_id)
             except ClientNotFound:
                 log.warning("master %s forgot this client: registering again", rpc.address)
-                self._safe_failover(rpc)
+                self._safe_failover(rpc, unreachable=False)
             except (RpcFailed, NotSupported) as exc:
                 if self._ha is not None:
-                    self._safe_failover(rpc)
+                    self._safe_failover(rpc, unreachable=True)
                 else:
                     log.warning("heartbeat to %s failed: %s", rpc.address, exc)
 
-    def _safe_failover(self, rpc: RpcClient) -> None:
+    def _safe_failover(self, rpc: RpcClient, unreachable: bool) -> None:
         try:
-            self._failover(rpc)
+            self._failover(rpc, unreachable)
         except MooncakeError as exc:
             log.warning("could not re-register with the store master: %s", exc)
 
@@ -317,8 +331,7 @@ class StoreClient:
                 for _, i in items:
                     failed.setdefault(i, StoreTransferFailed("transfer timed out"))
                 continue
-            for j, (_, i) in enumerate(items):
-                err = batch.request_error(j)
+            for (_, i), err in zip(items, batch.errors()):
                 if err is not None:
                     failed.setdefault(i, err)
         return failed
@@ -392,7 +405,7 @@ class StoreClient:
             raise InvalidParams("keys and parts differ in length")
 
         def dest(i: int, nbytes: int) -> list[tuple[int, int]]:
-            room = sum(n for _, n in parts[i])
+            room = parts[i][0][1] if len(parts[i]) == 1 else sum(n for _, n in parts[i])
             if nbytes > room:
                 raise BufferTooSmall(f"{keys[i]!r} has {nbytes} bytes; the buffers hold {room}")
             return list(parts[i])
@@ -427,8 +440,9 @@ class StoreClient:
             except StoreError as exc:
                 out[i] = exc
                 continue
-            random.shuffle(replicas)
-            replicas.sort(key=lambda r: not all(self._is_local(s[0]) for s in r))
+            if len(replicas) > 1:  # spread readers, same-host replicas first
+                random.shuffle(replicas)
+                replicas.sort(key=lambda r: not all(self._is_local(s[0]) for s in r))
             todo[i] = (local, nbytes, replicas, disk)
         attempt = 0
         while todo:

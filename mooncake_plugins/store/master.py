@@ -26,7 +26,8 @@ from typing import Callable
 
 from ..errors import (ClientNotFound, InvalidKey, InvalidParams, NoAvailableSpace,
                       ObjectAlreadyExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
-                      SegmentAlreadyExists, StoreSegmentNotFound)
+                      SegmentAlreadyExists, StoreError, StoreSegmentNotFound,
+                      store_error)
 from .allocation import STRATEGIES, MountedSegment, order_segments
 
 log = logging.getLogger(__name__)
@@ -379,18 +380,35 @@ class MasterService:
         Raises:
             InvalidKey, ObjectNotFound, ReplicaNotReady.
         """
-        check_key(key)
+        code, info = self.get_many([key])[0]
+        if code:
+            raise store_error(code, info)
+        return tuple(info)  # type: ignore[return-value]
+
+    def get_many(self, keys: list[str]) -> list[list]:
+        """:meth:`get` for many keys under one lock: ``[0, [nbytes, replicas, disk, ttl]]``
+        or ``[code, message]`` per key (the RPC reply as is)."""
+        ttl = self.config.default_kv_lease_ttl_ms / 1000
+        out: list[list] = []
         with self._lock:
-            meta = self._objects.get(key)
-            if meta is None:
-                raise ObjectNotFound(f"no object {key!r}")
-            if not meta.complete:
-                raise ReplicaNotReady(f"{key!r} is still being written")
-            ttl = self.config.default_kv_lease_ttl_ms / 1000
-            meta.lease_until = max(meta.lease_until, self._clock() + ttl)
-            self._objects.move_to_end(key)
-            self.counters["gets"] += 1
-            return meta.nbytes, [list(r) for r in meta.replicas], meta.disk_path, ttl
+            until = self._clock() + ttl
+            for key in keys:
+                meta = self._objects.get(key) if isinstance(key, str) else None
+                if meta is None or not meta.complete:
+                    try:
+                        check_key(key)
+                        err: StoreError = (ReplicaNotReady(f"{key!r} is still being written")
+                                           if meta is not None else ObjectNotFound(f"no object {key!r}"))
+                    except InvalidKey as exc:
+                        err = exc
+                    out.append([err.code, str(err)])
+                    continue
+                if meta.lease_until < until:
+                    meta.lease_until = until
+                self._objects.move_to_end(key)
+                out.append([0, [meta.nbytes, meta.replicas, meta.disk_path, ttl]])
+            self.counters["gets"] += len(keys)
+        return out
 
     def exist(self, key: str) -> bool:
         """Whether a complete object is stored under ``key`` (an invalid key never is)."""

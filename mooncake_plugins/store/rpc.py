@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import msgpack
 
+from ..config import spin_us
 from ..errors import MooncakeError, ProtocolError, RpcFailed, RpcTimeout, store_error
 from ..transfer.listener import ConnectionServer
 from ..transfer.transports.tcp import io
@@ -98,12 +99,15 @@ class RpcServer(ConnectionServer):
         super().__init__(host, port, "mc-rpc", backlog=256)
         self._handlers = handlers
         self._gate = gate
+        self._spin_us = spin_us()
         self.start()
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         fd = conn.fileno()
         try:
             while True:
+                if self._spin_us:  # a client in a loop sends its next call right away
+                    io.spin_until_readable(fd, self._spin_us)
                 frame = _unpack(fd)
                 if (not isinstance(frame, list) or len(frame) != 3 or not isinstance(frame[0], int)
                         or not isinstance(frame[1], str)):
@@ -145,6 +149,7 @@ class RpcClient:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
+        self._spin_us = spin_us()
 
     @property
     def address(self) -> str:
@@ -180,6 +185,8 @@ class RpcClient:
         try:
             fd = s.fileno()
             io.send_frame(fd, _pack([rid, method, args]), 0, 0)
+            if self._spin_us:
+                io.spin_until_readable(fd, self._spin_us)
             reply = _unpack(fd)
             if (not isinstance(reply, list) or len(reply) != 3 or reply[0] != rid
                     or not isinstance(reply[1], int)):

@@ -145,9 +145,6 @@ class MasterServer:
             it = iter(sizes)
             return _each(keys, lambda k: s.put_start(client_id, k, next(it), pc))
 
-        def get_replicas(keys: list) -> list:
-            return _each(keys, lambda k: list(s.get(k)))
-
         def add_disk_replica(keys: list, paths: list) -> list:
             if len(keys) != len(paths):
                 raise InvalidParams("keys and paths differ in length")
@@ -168,7 +165,7 @@ class MasterServer:
                         lambda client_id, keys: _each(keys, lambda k: s.put_end(client_id, k))),
             "put_revoke": ({**cid, **keys},
                            lambda client_id, keys: _each(keys, lambda k: s.put_revoke(client_id, k))),
-            "get_replicas": (keys, get_replicas),
+            "get_replicas": (keys, s.get_many),
             "exist": (keys, lambda keys: [int(s.exist(k)) for k in keys]),
             "remove": ({**keys, "force": bool},
                        lambda keys, force: _each(keys, lambda k: s.remove(k, force))),

@@ -12,6 +12,7 @@ import time
 from typing import NamedTuple
 
 from ..errors import InvalidArgument, MooncakeError, TransferTimeout
+from .segment import MAX_ADDRESS
 
 
 class OpCode(enum.IntEnum):
@@ -46,13 +47,15 @@ class TransferRequest(NamedTuple):
 
 
 def validate_request(r: TransferRequest) -> None:
-    """Raise InvalidArgument unless ``r`` has an OpCode and non-negative int fields."""
-    if not isinstance(r.op, OpCode):
-        raise InvalidArgument(f"op must be OpCode.READ or OpCode.WRITE, got {r.op!r}")
-    for name in ("local_address", "remote_address", "nbytes"):
-        v = getattr(r, name)
-        if type(v) is not int or v < 0:
-            raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
+    """Raise InvalidArgument unless ``r`` has an OpCode, non-negative ints and no wrap-around."""
+    op, local, remote, nbytes = r
+    if type(op) is not OpCode:
+        raise InvalidArgument(f"op must be OpCode.READ or OpCode.WRITE, got {op!r}")
+    if (type(local) is not int or type(remote) is not int or type(nbytes) is not int
+            or local < 0 or remote < 0 or nbytes < 0
+            or local + nbytes > MAX_ADDRESS or remote + nbytes > MAX_ADDRESS):
+        raise InvalidArgument(f"addresses and nbytes must be non-negative ints within the "
+                              f"address space, got {r!r}")
 
 
 class Batch:
@@ -105,6 +108,11 @@ class Batch:
         """The error of request ``index``, or None (so far)."""
         with self._lock:
             return self._errors[index]
+
+    def errors(self) -> list[MooncakeError | None]:
+        """Every request's error (None where it succeeded or still runs)."""
+        with self._lock:
+            return list(self._errors)
 
     def wait_done(self, timeout_s: float | None = None) -> bool:
         """Block until every slice ended, without raising; False on timeout."""

@@ -26,7 +26,7 @@ from ..errors import (AddressError, InvalidArgument, MetadataError, MooncakeErro
 from . import memory
 from .batch import Batch, OpCode, TransferRequest, validate_request
 from .metadata import MetadataStore, from_url
-from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor, check_range
+from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor
 from .topology import host_id
 from .transports import get_transport
 from .transports.base import OP_READ, OP_WRITE, Transport
@@ -342,57 +342,50 @@ class TransferEngine:
     # -- transfers -------------------------------------------------------------------
     def submit(self, segment: str, requests: Sequence[TransferRequest],
                transport: str | None = None) -> Batch:
-        """Start a batch of requests to one segment and return at once.
+        """Start a batch of requests to one segment and return (small batches are done by then).
 
-        Every local range must lie in a region registered here; every remote range in a
-        region the target registered (checked again by the target). ``transport``
-        restricts the paths tried (e.g. "tcp").
+        Every local range must lie in one region registered here: that is checked now.
+        Remote ranges are checked when each slice runs, by the target itself over tcp and
+        against its live descriptor over shm, so errors about them arrive on the batch.
+        ``transport`` restricts the paths tried (e.g. "tcp").
 
         Raises:
-            InvalidArgument, AddressError, SegmentNotFound: before anything is sent.
+            InvalidArgument, AddressError (local memory), SegmentNotFound, TransportUnavailable.
         """
+        self._check_open()
         peer = self.open_segment(segment)
-        reqs = list(requests)
-        for r in reqs:
-            validate_request(r)
-            check_range(r.remote_address, r.nbytes)
-            if r.nbytes:
-                if self._regions.find(r.local_address, r.nbytes).readonly and r.op == OpCode.READ:
-                    raise AddressError("cannot READ into a region registered read-only")
-                self._check_remote(peer, r.remote_address, r.nbytes, r.op == OpCode.WRITE)
         paths = self._paths(peer, transport)
-        batch = Batch(next(self._batch_ids), segment, reqs)
-        tasks: list[list[tuple[int, int, int, int, int]]] = []
-        current: list[tuple[int, int, int, int, int]] = []
-        budget = 0
+        reqs = list(requests)
         step = self.config.slice_nbytes
+        slices: list[tuple[int, int, int, int, int]] = []
         for index, r in enumerate(reqs):
-            op = OP_WRITE if r.op == OpCode.WRITE else OP_READ
-            if r.nbytes:
-                batch.add_slices(index, -(-r.nbytes // step))
+            validate_request(r)
+            op = OP_WRITE if r.op is OpCode.WRITE else OP_READ
             for off in range(0, r.nbytes, step):
-                n = min(step, r.nbytes - off)
-                current.append((index, op, r.local_address + off, r.remote_address + off, n))
-                budget += n
-                if budget >= step or len(current) >= 64:
-                    tasks.append(current)
-                    current, budget = [], 0
-        if current:
-            tasks.append(current)
+                slices.append((index, op, r.local_address + off, r.remote_address + off,
+                               min(step, r.nbytes - off)))
+        regions = self._regions.acquire_many([(s[2], s[4]) for s in slices])
+        if any(region.readonly and s[1] == OP_READ for s, region in zip(slices, regions)):
+            self._regions.release_many(regions)
+            raise AddressError("cannot READ into a region registered read-only")
+        batch = Batch(next(self._batch_ids), segment, reqs)
+        for s in slices:
+            batch.add_slices(s[0], 1)
         batch.seal()
+        tasks = []
+        first, budget = 0, 0
+        for i, s in enumerate(slices):
+            budget += s[4]
+            if budget >= step or i + 1 - first >= 64 or i + 1 == len(slices):
+                tasks.append((slices[first:i + 1], regions[first:i + 1]))
+                first, budget = i + 1, 0
         if batch.nbytes <= self.config.inline_nbytes:
-            for task in tasks:  # small: the handoff to a worker would cost more than the copy
-                self._run_task(peer, paths, batch, task)
+            for task, held in tasks:  # small: the handoff to a worker would cost more than the copy
+                self._run_task(peer, paths, batch, task, held)
         else:
-            for task in tasks:
-                self._pool.submit(self._run_task, peer, paths, batch, task)
+            for task, held in tasks:
+                self._pool.submit(self._run_task, peer, paths, batch, task, held)
         return batch
-
-    def _check_remote(self, peer: Peer, address: int, nbytes: int, write: bool) -> None:
-        try:
-            peer.descriptor.find(address, nbytes, write)
-        except AddressError:
-            peer.refresh().find(address, nbytes, write)  # it may have registered since
 
     def _paths(self, peer: Peer, transport: str | None) -> list[Transport]:
         paths = [t for t in self._transports if (transport in (None, "", t.name)) and t.supports(peer)]
@@ -402,13 +395,11 @@ class TransferEngine:
         return paths
 
     def _run_task(self, peer: Peer, paths: list[Transport], batch: Batch,
-                  task: list[tuple[int, int, int, int, int]]) -> None:
-        """Run slices on the best path at once; on failure, slice by slice over every path."""
-        try:
-            regions = self._regions.acquire_many([(s[2], s[4]) for s in task])
-        except AddressError as exc:  # local memory unregistered since submit
-            batch.slices_done([(s[0], exc) for s in task])
-            return
+                  task: list[tuple[int, int, int, int, int]], held: list[Region]) -> None:
+        """Run slices on the best path at once; on failure, slice by slice over every path.
+
+        ``held`` are the local regions ``submit`` acquired for these slices; released here.
+        """
         results: list[tuple[int, MooncakeError | None]] = []
         try:
             paths[0].execute_many(peer, task)
@@ -427,7 +418,7 @@ class TransferEngine:
             log.exception("slices to %s failed unexpectedly", peer.name)
             results = [(s[0], TransferError(f"slice to {peer.name!r} failed: {exc!r}")) for s in task]
         finally:
-            self._regions.release_many(regions)
+            self._regions.release_many(held)
         batch.slices_done(results)
 
     def _run_slice(self, peer: Peer, paths: list[Transport], op: int, local: int, remote: int,

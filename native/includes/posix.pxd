@@ -34,6 +34,8 @@ cdef extern from "<sys/socket.h>" nogil:
     ssize_t recv(int fd, void *buf, size_t n, int flags)
     int MSG_NOSIGNAL
     int MSG_WAITALL
+    int MSG_PEEK
+    int MSG_DONTWAIT
 
 
 cdef extern from "<sys/mman.h>" nogil:

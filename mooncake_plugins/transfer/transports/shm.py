@@ -159,14 +159,18 @@ class ShmTransport(Transport):
         desc = self._current(peer)
         same_process = desc.pid == os.getpid()
         copies: list[tuple[int, int, int]] = []
+        bases: dict[int, int] = {}  # memfd -> where it is mapped here
         for _, op, local, remote, n in slices:
             write = op == OP_WRITE
             region = desc.find(remote, n, write)
             if same_process:
                 peer_address = remote
             elif region.memfd >= 0:
-                peer_address = self._region_map(desc.pid, region.memfd, region.nbytes).address \
-                    + (remote - region.address)
+                base = bases.get(region.memfd)
+                if base is None:
+                    base = bases[region.memfd] = self._region_map(desc.pid, region.memfd,
+                                                                  region.nbytes).address
+                peer_address = base + (remote - region.address)
             else:
                 impl.vm_copy(desc.pid, local, remote, n, write)
                 continue

@@ -16,9 +16,10 @@ import logging
 import socket
 import struct
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ...config import PURE_PYTHON
+from ...config import PURE_PYTHON, spin_us
 from ...errors import AddressError, ProtocolError, TransferError, from_code
 from .. import memory, protocol
 from ..listener import ConnectionServer
@@ -46,6 +47,23 @@ class _PyIO:
                 done += n
         except BlockingIOError as exc:  # SO_RCVTIMEO expired
             raise TimeoutError("socket deadline passed") from exc
+        finally:
+            s.detach()
+
+    @staticmethod
+    def spin_until_readable(fd: int, spin_us: int) -> bool:
+        s = socket.socket(fileno=fd)
+        try:
+            deadline = time.perf_counter() + spin_us / 1e6
+            while True:
+                try:
+                    s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    return True
+                except (BlockingIOError, InterruptedError):
+                    if time.perf_counter() >= deadline:
+                        return False
+                except OSError:
+                    return True  # let the blocking read report it
         finally:
             s.detach()
 
@@ -132,6 +150,7 @@ class TcpServer(ConnectionServer):
         super().__init__(host, port, "mc-tcp")
         self._regions = regions
         self._on_control = on_control
+        self._spin_us = spin_us()
         self.bytes_in = 0
         self.bytes_out = 0
         self.start()
@@ -143,6 +162,8 @@ class TcpServer(ConnectionServer):
         fd = conn.fileno()
         try:
             while True:
+                if self._spin_us:  # the initiator's next slice usually follows at once
+                    io.spin_until_readable(fd, self._spin_us)
                 req = protocol.decode_request(io.recv_exact(fd, protocol.REQUEST.size))
                 if req.op == protocol.OP_CONTROL:
                     msg = protocol.decode_control(io.recv_exact(fd, req.aux_len))
@@ -254,6 +275,7 @@ class TcpTransport(Transport):
         self._pools: dict[tuple[str, int], _Pool] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._spin_us = spin_us()
 
     def supports(self, peer: "Peer") -> bool:
         return True
@@ -299,11 +321,15 @@ class TcpTransport(Transport):
             if op == OP_WRITE:
                 io.send_frame(fd, protocol.encode_request(protocol.OP_WRITE, rid, remote_address,
                                                           nbytes), local_address, nbytes)
+                if self._spin_us:
+                    io.spin_until_readable(fd, self._spin_us)
                 status, n = protocol.decode_response(io.recv_exact(fd, protocol.RESPONSE.size),
                                                      rid, 0)
             else:
                 io.send_frame(fd, protocol.encode_request(protocol.OP_READ, rid, remote_address,
                                                           nbytes), 0, 0)
+                if self._spin_us:
+                    io.spin_until_readable(fd, self._spin_us)
                 status, n = protocol.decode_response(io.recv_exact(fd, protocol.RESPONSE.size),
                                                      rid, nbytes)
                 if status == 0:
