@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SPIN_MAX_NBYTES = 64 << 10
+"""Busy-poll for replies (config.spin_us) only around frames up to this size."""
+
 
 class _PyIO:
     """Fallback of ``_native.tcp`` on the socket module (same names and semantics)."""
@@ -160,11 +163,15 @@ class TcpServer(ConnectionServer):
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         fd = conn.fileno()
+        last_nbytes = 0
         try:
             while True:
-                if self._spin_us:  # the initiator's next slice usually follows at once
+                if self._spin_us and last_nbytes <= SPIN_MAX_NBYTES:
+                    # after a small frame the initiator's next one usually follows at once;
+                    # after a large one, spinning would only take the CPU from the copies
                     io.spin_until_readable(fd, self._spin_us)
                 req = protocol.decode_request(io.recv_exact(fd, protocol.REQUEST.size))
+                last_nbytes = req.nbytes
                 if req.op == protocol.OP_CONTROL:
                     msg = protocol.decode_control(io.recv_exact(fd, req.aux_len))
                     self._reply(fd, req.req_id, 0, self._on_control(msg))
@@ -317,19 +324,21 @@ class TcpTransport(Transport):
     def request(self, host: str, port: int, op: int, local_address: int, remote_address: int,
                 nbytes: int) -> None:
         """One READ or WRITE frame exchange on a pooled connection to ``host:port``."""
+        spin = self._spin_us if nbytes <= SPIN_MAX_NBYTES else 0
+
         def body(fd: int, rid: int) -> tuple[int, bytes]:
             if op == OP_WRITE:
                 io.send_frame(fd, protocol.encode_request(protocol.OP_WRITE, rid, remote_address,
                                                           nbytes), local_address, nbytes)
-                if self._spin_us:
-                    io.spin_until_readable(fd, self._spin_us)
+                if spin:
+                    io.spin_until_readable(fd, spin)
                 status, n = protocol.decode_response(io.recv_exact(fd, protocol.RESPONSE.size),
                                                      rid, 0)
             else:
                 io.send_frame(fd, protocol.encode_request(protocol.OP_READ, rid, remote_address,
                                                           nbytes), 0, 0)
-                if self._spin_us:
-                    io.spin_until_readable(fd, self._spin_us)
+                if spin:
+                    io.spin_until_readable(fd, spin)
                 status, n = protocol.decode_response(io.recv_exact(fd, protocol.RESPONSE.size),
                                                      rid, nbytes)
                 if status == 0:
