@@ -23,7 +23,7 @@ from ..config import EngineConfig
 from ..errors import (BufferTooSmall, ClientNotFound, SegmentAlreadyExists, InvalidParams, LeaseExpired, MooncakeError,
                       NotSupported, RpcFailed, StoreError, StoreTransferFailed,
                       store_error)
-from ..transfer import OpCode, TransferEngine, TransferRequest, memory
+from ..transfer import OpCode, TransferEngine, memory
 from ..transfer.topology import host_id
 from . import offload
 from .rpc import RpcClient
@@ -290,15 +290,15 @@ class StoreClient:
         results = self._call("put_start", client_id=self.client_id, keys=list(keys),
                              sizes=sizes, config=cfg)
         errors: list[StoreError | None] = [None] * len(keys)
-        plan: dict[str, list[tuple[TransferRequest, int]]] = defaultdict(list)
+        plan: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
         for i, (code, replicas) in enumerate(results):
             if code:
                 errors[i] = store_error(code, replicas)
                 continue
             for replica in replicas:
                 for local, seg, remote, n in _pair(parts[i], replica):
-                    plan[seg].append((TransferRequest(OpCode.WRITE, local, remote, n), i))
-        failed = self._run(plan, errors)
+                    plan[seg].append((local, remote, n, i))
+        failed = self._run(OpCode.WRITE, plan)
         done = [k for i, k in enumerate(keys) if errors[i] is None and i not in failed]
         bad = [k for i, k in enumerate(keys) if errors[i] is None and i in failed]
         for i in failed:
@@ -315,25 +315,18 @@ class StoreClient:
                     self._offload(k, parts[index[k]])
         return errors
 
-    def _run(self, plan: dict[str, list[tuple[TransferRequest, int]]],
-             errors: list) -> dict[int, MooncakeError]:
-        """Submit one batch per segment, wait for all; returns key index -> first error."""
+    def _run(self, op: OpCode, plan: dict[str, list[tuple[int, int, int, int]]]) -> dict[int, MooncakeError]:
+        """Move ``(local, remote, nbytes, key index)`` items, all segments at once; returns
+        key index -> first error."""
+        total = sum(it[2] for items in plan.values() for it in items)
+        results = self.engine.transfer_many(
+            op, {seg: [it[:3] for it in items] for seg, items in plan.items()},
+            timeout_s=self._transfer_timeout_s + total / 1e8)
         failed: dict[int, MooncakeError] = {}
-        batches = []
         for seg, items in plan.items():
-            try:
-                batches.append((self.engine.submit(seg, [r for r, _ in items]), items))
-            except MooncakeError as exc:
-                for _, i in items:
-                    failed.setdefault(i, exc)
-        for batch, items in batches:
-            if not batch.wait_done(self._transfer_timeout_s + batch.nbytes / 1e8):
-                for _, i in items:
-                    failed.setdefault(i, StoreTransferFailed("transfer timed out"))
-                continue
-            for (_, i), err in zip(items, batch.errors()):
+            for item, err in zip(items, results[seg]):
                 if err is not None:
-                    failed.setdefault(i, err)
+                    failed.setdefault(item[3], err)
         return failed
 
     def _offload(self, key: str, parts: Sequence[tuple[int, int]]) -> None:
@@ -446,18 +439,18 @@ class StoreClient:
             todo[i] = (local, nbytes, replicas, disk)
         attempt = 0
         while todo:
-            plan: dict[str, list[tuple[TransferRequest, int]]] = defaultdict(list)
+            plan: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
             for i, (local, nbytes, replicas, disk) in list(todo.items()):
                 if attempt < len(replicas):
                     for laddr, seg, raddr, n in _pair(local, replicas[attempt]):
-                        plan[seg].append((TransferRequest(OpCode.READ, laddr, raddr, n), i))
+                        plan[seg].append((laddr, raddr, n, i))
                 elif disk is not None:
                     out[i] = self._read_disk(keys[i], disk, local, nbytes)
                     del todo[i]
                 else:
                     out[i] = StoreTransferFailed(f"no replica of {keys[i]!r} could be read")
                     del todo[i]
-            failed = self._run(plan, out)
+            failed = self._run(OpCode.READ, plan)
             for i in list(todo):
                 if i not in failed and attempt < len(todo[i][2]):
                     out[i] = todo.pop(i)[1]

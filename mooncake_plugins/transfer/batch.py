@@ -48,14 +48,18 @@ class TransferRequest(NamedTuple):
 
 def validate_request(r: TransferRequest) -> None:
     """Raise InvalidArgument unless ``r`` has an OpCode, non-negative ints and no wrap-around."""
-    op, local, remote, nbytes = r
-    if type(op) is not OpCode:
-        raise InvalidArgument(f"op must be OpCode.READ or OpCode.WRITE, got {op!r}")
+    if type(r.op) is not OpCode:
+        raise InvalidArgument(f"op must be OpCode.READ or OpCode.WRITE, got {r.op!r}")
+    validate_range(r.local_address, r.remote_address, r.nbytes)
+
+
+def validate_range(local: int, remote: int, nbytes: int) -> None:
+    """Raise InvalidArgument unless both ranges are non-negative ints inside the address space."""
     if (type(local) is not int or type(remote) is not int or type(nbytes) is not int
             or local < 0 or remote < 0 or nbytes < 0
             or local + nbytes > MAX_ADDRESS or remote + nbytes > MAX_ADDRESS):
         raise InvalidArgument(f"addresses and nbytes must be non-negative ints within the "
-                              f"address space, got {r!r}")
+                              f"address space, got {(local, remote, nbytes)!r}")
 
 
 class Batch:

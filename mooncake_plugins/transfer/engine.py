@@ -16,15 +16,15 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import msgpack
 
 from ..config import EngineConfig
 from ..errors import (AddressError, InvalidArgument, MetadataError, MooncakeError,
-                      SegmentNotFound, TransferError, TransportUnavailable)
+                      SegmentNotFound, TransferError, TransferTimeout, TransportUnavailable)
 from . import memory
-from .batch import Batch, OpCode, TransferRequest, validate_request
+from .batch import Batch, OpCode, TransferRequest, validate_range, validate_request
 from .metadata import MetadataStore, from_url
 from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor
 from .topology import host_id
@@ -396,15 +396,24 @@ class TransferEngine:
 
     def _run_task(self, peer: Peer, paths: list[Transport], batch: Batch,
                   task: list[tuple[int, int, int, int, int]], held: list[Region]) -> None:
-        """Run slices on the best path at once; on failure, slice by slice over every path.
+        """Run a task's slices and report them on ``batch``.
 
         ``held`` are the local regions ``submit`` acquired for these slices; released here.
         """
-        results: list[tuple[int, MooncakeError | None]] = []
+        try:
+            results = self._execute(peer, paths, task)
+        finally:
+            self._regions.release_many(held)
+        batch.slices_done(results)
+
+    def _execute(self, peer: Peer, paths: list[Transport],
+                 task: list[tuple[int, int, int, int, int]]) -> list[tuple[int, MooncakeError | None]]:
+        """Run slices on the best path at once; on failure, slice by slice over every path."""
         try:
             paths[0].execute_many(peer, task)
-            results = [(s[0], None) for s in task]
+            return [(s[0], None) for s in task]
         except (MooncakeError, OSError):
+            results: list[tuple[int, MooncakeError | None]] = []
             for index, op, local, remote, n in task:
                 try:
                     self._run_slice(peer, paths, op, local, remote, n)
@@ -414,12 +423,67 @@ class TransferEngine:
                 except Exception as exc:  # keep the worker alive; report on the batch
                     log.exception("slice to %s failed unexpectedly", peer.name)
                     results.append((index, TransferError(f"slice to {peer.name!r} failed: {exc!r}")))
+            return results
         except Exception as exc:  # keep the worker alive; report on the batch
             log.exception("slices to %s failed unexpectedly", peer.name)
-            results = [(s[0], TransferError(f"slice to {peer.name!r} failed: {exc!r}")) for s in task]
+            return [(s[0], TransferError(f"slice to {peer.name!r} failed: {exc!r}")) for s in task]
+
+    def transfer_many(self, op: OpCode, plan: Mapping[str, Sequence[tuple[int, int, int]]],
+                      timeout_s: float | None = None,
+                      transport: str | None = None) -> dict[str, list[MooncakeError | None]]:
+        """Move ``(local_address, remote_address, nbytes)`` items to/from several segments; block.
+
+        Returns, per segment, each item's error or None. Large batches start first, on
+        the worker pool; small ones (up to ``inline_nbytes``, no item over a slice) then
+        run in the calling thread with no Batch bookkeeping: the store's path for many
+        small objects.
+        """
+        out: dict[str, list[MooncakeError | None]] = {}
+        pending: list[tuple[str, Batch]] = []
+        step, inline = self.config.slice_nbytes, self.config.inline_nbytes
+        small = {seg: items for seg, items in plan.items()
+                 if sum(n for _, _, n in items) <= inline and all(n <= step for _, _, n in items)}
+        for seg, items in plan.items():
+            try:
+                if seg not in small:
+                    pending.append((seg, self.submit(seg, [TransferRequest(op, *it) for it in items],
+                                                     transport)))
+            except MooncakeError as exc:
+                out[seg] = [exc] * len(items)
+        for seg, items in small.items():
+            try:
+                out[seg] = self._run_inline(seg, op, items, transport)
+            except MooncakeError as exc:
+                out[seg] = [exc] * len(items)
+        for seg, batch in pending:
+            if batch.wait_done(timeout_s):
+                out[seg] = batch.errors()
+            else:
+                out[seg] = [TransferTimeout(f"transfer to {seg!r} did not complete within "
+                                            f"{timeout_s} s")] * len(batch.requests)
+        return out
+
+    def _run_inline(self, segment: str, op: OpCode, items: Sequence[tuple[int, int, int]],
+                    transport: str | None) -> list[MooncakeError | None]:
+        self._check_open()
+        peer = self.open_segment(segment)
+        paths = self._paths(peer, transport)
+        code = OP_WRITE if op is OpCode.WRITE else OP_READ
+        task = []
+        for i, (local, remote, n) in enumerate(items):
+            validate_range(local, remote, n)
+            if n:
+                task.append((i, code, local, remote, n))
+        held = self._regions.acquire_many([(s[2], s[4]) for s in task])
+        try:
+            if code == OP_READ and any(r.readonly for r in held):
+                raise AddressError("cannot READ into a region registered read-only")
+            errors: list[MooncakeError | None] = [None] * len(items)
+            for index, err in self._execute(peer, paths, task):
+                errors[index] = err
+            return errors
         finally:
             self._regions.release_many(held)
-        batch.slices_done(results)
 
     def _run_slice(self, peer: Peer, paths: list[Transport], op: int, local: int, remote: int,
                    n: int) -> None:

@@ -168,7 +168,7 @@ class RegionTable:
         i = bisect.bisect_right(self._starts, address) - 1
         if i >= 0:
             region = self._regions[i]
-            if region.info.contains(address, nbytes):
+            if address + nbytes <= self._starts[i] + region.info.nbytes:
                 return region
         raise AddressError(f"range 0x{address:x}+{nbytes} is not inside a registered region")
 
@@ -202,7 +202,7 @@ class SegmentDescriptor:
         i = bisect.bisect_right(self._starts, address) - 1
         if i >= 0:
             r = self.regions[i]
-            if r.contains(address, nbytes):
+            if address + nbytes <= r.address + r.nbytes:  # and address >= r.address by bisect
                 if write and r.readonly:
                     raise AddressError(f"segment {self.name!r} registered 0x{r.address:x} read-only")
                 return r
