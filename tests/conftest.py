@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
-from helpers import etcd_healthy, free_port, terminate_group, wait_until
+from helpers import etcd_healthy, free_port, live_children, terminate_group, wait_until
 
 from mooncake_plugins.transfer.metadata import MetadataServer
 
@@ -24,6 +24,10 @@ from mooncake_plugins.transfer.metadata import MetadataServer
 _ETCD_MAX_REQUEST_BYTES = 20 * 1024 * 1024
 _START_TIMEOUT_S = 30.0
 _PORT_ATTEMPTS = 3  # a free port can be taken by someone else before the server binds it
+
+
+_SESSION_PIDS: set[int] = set()
+"""Session-scoped services (etcd, redis-server): they outlive single tests on purpose."""
 
 
 def _require_binary(name: str, package: str) -> str:
@@ -121,6 +125,7 @@ def etcd_server() -> Iterator[str]:
     proc = None
     try:
         proc, url = _start_until_ready("etcd", make_attempt, os.path.join(workdir, "etcd.log"))
+        _SESSION_PIDS.add(proc.pid)
         yield url
     finally:
         if proc is not None:
@@ -144,6 +149,7 @@ def redis_server() -> Iterator[str]:
     try:
         proc, url = _start_until_ready("redis-server", make_attempt,
                                        os.path.join(workdir, "redis.log"))
+        _SESSION_PIDS.add(proc.pid)
         yield url
     finally:
         if proc is not None:
@@ -156,3 +162,16 @@ def metadata_server() -> Iterator[MetadataServer]:
     """An embedded HTTP metadata server on a free loopback port (``.url``, ``.port``)."""
     with MetadataServer() as server:
         yield server
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test ends every child process it started (session services are exempt)."""
+    before = live_children()
+
+    def leaked() -> set[int]:
+        return live_children() - before - _SESSION_PIDS
+
+    yield
+    if not wait_until(lambda: not leaked(), 5.0):
+        pytest.fail(f"{request.node.nodeid} left child processes running: {sorted(leaked())}")

@@ -215,3 +215,20 @@ def etcd_healthy(client_url: str) -> bool:
             return bool(json.loads(response.read()).get("health") == "true")
     except (OSError, ValueError):
         return False
+
+
+def live_children() -> set[int]:
+    """Pids of this process's children that are still running (zombies excluded)."""
+    me = str(os.getpid())
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":  # fields: state, ppid, ...
+            out.add(int(entry))
+    return out
