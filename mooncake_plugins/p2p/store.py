@@ -56,7 +56,7 @@ from ..transfer import ManagedBuffer, OpCode, TransferEngine, TransferRequest
 from ..transfer.batch import TransferStatus
 from ..transfer.memory import address_of
 from ..transfer.metadata import MetadataStore, from_url
-from ..transfer.metadata.base import P2P_HANDSHAKE
+from ..transfer.metadata.base import P2P_HANDSHAKE, check_text
 
 log = logging.getLogger(__name__)
 
@@ -188,15 +188,8 @@ class _Chunk:
 
 
 def _check_name(name: object) -> str:
-    if not isinstance(name, str) or not name or "\0" in name:
-        raise InvalidArgument(f"P2P object name must be a non-empty str without NUL, got {name!r}")
-    try:
-        nbytes = len(name.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise InvalidArgument(f"P2P object name {name!r} is not valid UTF-8") from exc
-    if nbytes > MAX_NAME_NBYTES:
-        raise InvalidArgument(f"P2P object name is {nbytes} bytes, the limit is {MAX_NAME_NBYTES}")
-    return name
+    check_text(name, "P2P object name", MAX_NAME_NBYTES)
+    return name  # type: ignore[return-value]
 
 
 def _part_of(buf: Buffer) -> tuple[int, int, Any]:

@@ -54,7 +54,9 @@ class MetadataTarget:
     db: int = 0
 
 
-def _check_text(text: object, what: str) -> None:
+def check_text(text: object, what: str, max_nbytes: int = MAX_KEY_NBYTES) -> None:
+    """Raise InvalidArgument unless ``text`` is a non-empty str without NUL whose UTF-8
+    form has at most ``max_nbytes`` bytes (``what`` names it in the message)."""
     if not isinstance(text, str):
         raise InvalidArgument(f"{what} must be a str, got {type(text).__name__}")
     if not text:
@@ -65,9 +67,9 @@ def _check_text(text: object, what: str) -> None:
         nbytes = len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise InvalidArgument(f"{what} is not valid UTF-8: {text!r}") from exc
-    if nbytes > MAX_KEY_NBYTES:
+    if nbytes > max_nbytes:
         raise InvalidArgument(
-            f"{what} is {nbytes} bytes in UTF-8, the limit is {MAX_KEY_NBYTES}")
+            f"{what} is {nbytes} bytes in UTF-8, the limit is {max_nbytes}")
 
 
 def check_key(key: object) -> None:
@@ -77,7 +79,7 @@ def check_key(key: object) -> None:
         InvalidArgument: not a non-empty str, longer than 1024 bytes in UTF-8,
             not encodable as UTF-8, or containing NUL.
     """
-    _check_text(key, "metadata key")
+    check_text(key, "metadata key")
 
 
 def check_prefix(prefix: object) -> None:
@@ -89,7 +91,7 @@ def check_prefix(prefix: object) -> None:
         InvalidArgument: not a non-empty str, longer than 1024 bytes in UTF-8,
             not encodable as UTF-8, or containing NUL.
     """
-    _check_text(prefix, "metadata key prefix")
+    check_text(prefix, "metadata key prefix")
 
 
 def check_value(value: object) -> None:
