@@ -364,10 +364,7 @@ class TransferEngine:
             for off in range(0, r.nbytes, step):
                 slices.append((index, op, r.local_address + off, r.remote_address + off,
                                min(step, r.nbytes - off)))
-        regions = self._regions.acquire_many([(s[2], s[4]) for s in slices])
-        if any(region.readonly and s[1] == OP_READ for s, region in zip(slices, regions)):
-            self._regions.release_many(regions)
-            raise AddressError("cannot READ into a region registered read-only")
+        regions = self._hold(slices)
         batch = Batch(next(self._batch_ids), segment, reqs)
         for s in slices:
             batch.add_slices(s[0], 1)
@@ -386,6 +383,19 @@ class TransferEngine:
             for task, held in tasks:
                 self._pool.submit(self._run_task, peer, paths, batch, task, held)
         return batch
+
+    def _hold(self, slices: list[tuple[int, int, int, int, int]]) -> list[Region]:
+        """Acquire the local region of every ``(index, op, local, remote, nbytes)`` slice.
+
+        Raises:
+            AddressError: a local range is not registered, or a READ would write into a
+                read-only region (nothing stays acquired then).
+        """
+        regions = self._regions.acquire_many([(s[2], s[4]) for s in slices])
+        if any(region.readonly and s[1] == OP_READ for s, region in zip(slices, regions)):
+            self._regions.release_many(regions)
+            raise AddressError("cannot READ into a region registered read-only")
+        return regions
 
     def _paths(self, peer: Peer, transport: str | None) -> list[Transport]:
         paths = [t for t in self._transports if (transport in (None, "", t.name)) and t.supports(peer)]
@@ -474,10 +484,8 @@ class TransferEngine:
             validate_range(local, remote, n)
             if n:
                 task.append((i, code, local, remote, n))
-        held = self._regions.acquire_many([(s[2], s[4]) for s in task])
+        held = self._hold(task)
         try:
-            if code == OP_READ and any(r.readonly for r in held):
-                raise AddressError("cannot READ into a region registered read-only")
             errors: list[MooncakeError | None] = [None] * len(items)
             for index, err in self._execute(peer, paths, task):
                 errors[index] = err
