@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import threading
-import time
 from typing import NamedTuple
 
 from ..errors import InvalidArgument, MooncakeError, TransferTimeout
@@ -70,7 +69,6 @@ class Batch:
         self.segment = segment
         self.requests = requests
         self.nbytes = sum(r.nbytes for r in requests)
-        self.started = time.monotonic()
         self._lock = threading.Lock()
         self._done_event = threading.Event()
         self._left = [0] * len(requests)  # slices still running, per request
@@ -107,11 +105,6 @@ class Batch:
             if self._errors[index] is not None:
                 return TransferStatus.FAILED if self._left[index] == 0 else TransferStatus.PENDING
             return TransferStatus.COMPLETED if self._left[index] == 0 else TransferStatus.PENDING
-
-    def request_error(self, index: int) -> MooncakeError | None:
-        """The error of request ``index``, or None (so far)."""
-        with self._lock:
-            return self._errors[index]
 
     def errors(self) -> list[MooncakeError | None]:
         """Every request's error (None where it succeeded or still runs)."""
