@@ -9,12 +9,14 @@ since an int cannot carry the reason.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Sequence
 
 import msgpack
 
 from ..errors import InvalidParams, MooncakeError, NotSupported
 from ..store.client import ReplicateConfig as _Config, StoreClient
+from ..transfer.memory import address_of
 from .engine import TransferEngine as CompatEngine
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,41 @@ class ReplicateConfig:
     def __repr__(self) -> str:
         return (f"ReplicateConfig(replica_num={self.replica_num}, with_soft_pin={self.with_soft_pin}, "
                 f"preferred_segment={self.preferred_segment!r})")
+
+
+class BufferHandle(bytes):
+    """The original's BufferHandle: one object's bytes, with ``ptr()``, ``size()``, ``len()``
+    and the buffer protocol (it is a ``bytes``)."""
+
+    def ptr(self) -> int:
+        """Address of the first byte (valid while this handle lives)."""
+        return address_of(self)[0] if len(self) else 0
+
+    def size(self) -> int:
+        return len(self)
+
+
+class ReplicaDescriptor:
+    """One replica of an object, as ``batch_get_replica_desc`` reports it."""
+
+    def __init__(self, shards: list | None = None, disk_path: str | None = None) -> None:
+        self.shards = shards or []
+        self.disk_path = disk_path
+        self.status = "COMPLETE"
+
+    def is_memory_replica(self) -> bool:
+        return self.disk_path is None
+
+    def is_disk_replica(self) -> bool:
+        return self.disk_path is not None
+
+    def is_local_disk_replica(self) -> bool:
+        """A disk replica whose file this host can open directly."""
+        return self.disk_path is not None and os.path.exists(self.disk_path)
+
+    def __repr__(self) -> str:
+        where = f"disk {self.disk_path}" if self.disk_path else f"memory {self.shards}"
+        return f"ReplicaDescriptor({where})"
 
 
 class MooncakeDistributedStore:
@@ -247,6 +284,45 @@ class MooncakeDistributedStore:
         except MooncakeError as exc:
             log.error("batch_get_into_multi_buffers failed: %s", exc)
             return [_code(exc)] * len(keys)
+
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        """The object in a BufferHandle, or None (logged) when it cannot be read."""
+        return self.batch_get_buffer([key])[0]
+
+    def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
+        try:
+            out = self.client.batch_get(keys)
+        except MooncakeError as exc:
+            log.error("batch_get_buffer failed: %s", exc)
+            return [None] * len(keys)
+        handles: list[BufferHandle | None] = []
+        for key, item in zip(keys, out):
+            if isinstance(item, Exception):
+                log.error("get_buffer %r failed: %s", key, item)
+                handles.append(None)
+            else:
+                handles.append(BufferHandle(item))
+        return handles
+
+    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """Replicas of every key that exists (missing keys are left out)."""
+        try:
+            infos = self.client.replicas(keys)
+        except MooncakeError as exc:
+            log.error("batch_get_replica_desc failed: %s", exc)
+            return {}
+        out: dict[str, list[ReplicaDescriptor]] = {}
+        for key, info in zip(keys, infos):
+            if isinstance(info, Exception):
+                continue
+            _, memory, disk = info
+            out[key] = [ReplicaDescriptor(list(r)) for r in memory]
+            if disk is not None:
+                out[key].append(ReplicaDescriptor(disk_path=disk))
+        return out
 
     # -- queries and removal ----------------------------------------------------------
     def is_exist(self, key: str) -> int:

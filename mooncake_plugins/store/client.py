@@ -482,6 +482,17 @@ class StoreClient:
             return StoreTransferFailed(f"reading {key!r} from the SSD tier ({path}) failed: {exc}")
 
     # -- queries and removal -------------------------------------------------------------
+    def replicas(self, keys: Sequence[str]) -> list[tuple[int, list, str | None] | StoreError]:
+        """Where each object lives: ``(nbytes, memory replicas, disk path)`` or an error.
+
+        A memory replica is a list of ``(segment, address, nbytes)`` shards. Like a read,
+        this takes a read lease on each object.
+        """
+        replies = self._call("get_replicas", keys=list(keys)) if keys else []
+        return [store_error(code, info) if code else (info[0], info[1], info[2])
+                for code, info in replies]
+
+
     def exists(self, key: str) -> bool:
         return bool(self._call("exist", keys=[key])[0])
 

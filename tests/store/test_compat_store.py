@@ -1,5 +1,7 @@
 """The original ``mooncake.store`` surface: setup forms, names, argument order, return codes."""
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -76,3 +78,23 @@ def test_setup_errors_are_codes(master):
     assert s.setup("localhost", "P2PHANDSHAKE", 1 << 20, 0, "tcp", "", master.address,
                    tenant_id="other") == -1012
     assert s.get("k") == b""  # not set up: logged, no crash
+
+
+def test_buffers_and_replica_descriptors(stores):
+    a, b = stores
+    assert a.put("h", b"header+payload") == 0
+    handle = b.get_buffer("h")
+    assert bytes(handle) == b"header+payload" and handle.size() == len(handle) == 14
+    assert memoryview(handle)[:6] == b"header"
+    assert ctypes.string_at(handle.ptr(), 6) == b"header"
+    assert b.get_buffer("missing") is None
+    got = b.batch_get_buffer(["h", "missing"])
+    assert bytes(got[0]) == b"header+payload" and got[1] is None
+    cfg = ReplicateConfig()
+    cfg.replica_num = 2
+    assert a.put("r2", b"x" * 100, cfg) == 0
+    desc = b.batch_get_replica_desc(["h", "r2", "missing"])
+    assert set(desc) == {"h", "r2"} and len(desc["r2"]) == 2
+    assert all(d.is_memory_replica() and not d.is_disk_replica() and not d.is_local_disk_replica()
+               for d in desc["r2"])
+    assert len(b.get_replica_desc("h")) == 1 and b.get_replica_desc("missing") == []
