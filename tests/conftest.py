@@ -100,6 +100,20 @@ def _start_until_ready(name: str, make_attempt: Callable[[int], _Attempt],
                 f"{_tail(log_path)}", pytrace=False)
 
 
+def _session_service(name: str, make_attempt: Callable[[int], _Attempt],
+                     workdir: str) -> Iterator[str]:
+    """Start a session service, yield its URL, then end it and remove ``workdir``."""
+    proc = None
+    try:
+        proc, url = _start_until_ready(name, make_attempt, os.path.join(workdir, f"{name}.log"))
+        _SESSION_PIDS.add(proc.pid)
+        yield url
+    finally:
+        if proc is not None:
+            terminate_group(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[str]:
     """A real single-member etcd; yields its client URL ``http://127.0.0.1:<port>``.
@@ -122,15 +136,7 @@ def etcd_server() -> Iterator[str]:
                "--logger", "zap", "--log-outputs", "stderr"]
         return cmd, lambda: etcd_healthy(client_url), client_url
 
-    proc = None
-    try:
-        proc, url = _start_until_ready("etcd", make_attempt, os.path.join(workdir, "etcd.log"))
-        _SESSION_PIDS.add(proc.pid)
-        yield url
-    finally:
-        if proc is not None:
-            terminate_group(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
+    yield from _session_service("etcd", make_attempt, workdir)
 
 
 @pytest.fixture(scope="session")
@@ -145,16 +151,7 @@ def redis_server() -> Iterator[str]:
                "--appendonly", "no", "--daemonize", "no", "--dir", workdir]
         return cmd, lambda: _redis_pongs(port), f"redis://127.0.0.1:{port}"
 
-    proc = None
-    try:
-        proc, url = _start_until_ready("redis-server", make_attempt,
-                                       os.path.join(workdir, "redis.log"))
-        _SESSION_PIDS.add(proc.pid)
-        yield url
-    finally:
-        if proc is not None:
-            terminate_group(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
+    yield from _session_service("redis-server", make_attempt, workdir)
 
 
 @pytest.fixture
