@@ -2,11 +2,12 @@
 """Any buffer -> (address, nbytes), and raw memory -> memoryview.
 
 ``Export`` holds a ``Py_buffer`` of the object for as long as the memory is registered,
-so a ``bytearray`` cannot be resized (and its memory moved) under a peer's transfer.
+so a ``bytearray`` cannot be resized (and its memory moved) under a peer's transfer; views
+handed to users come from an Export or a Window, so they keep that memory alive.
 """
 
-from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_ANY_CONTIGUOUS,
-                             PyBUF_WRITABLE, PyBUF_SIMPLE)
+from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBuffer_FillInfo,
+                             PyBUF_ANY_CONTIGUOUS, PyBUF_WRITABLE, PyBUF_SIMPLE)
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport uintptr_t
@@ -19,10 +20,17 @@ cdef extern from "Python.h":
 
 
 cdef class Export:
-    """A held buffer export of ``obj``: ``address`` and ``nbytes`` stay valid until ``release()``."""
+    """A held buffer export of ``obj``: ``address`` and ``nbytes`` stay valid until ``release()``.
+
+    An Export is itself a buffer exporter: ``memoryview(export)`` views the held memory and
+    counts as one export (``exports``). ``release()`` while views are alive is deferred to
+    the last view's release, so no view can outlive the memory behind it.
+    """
 
     cdef Py_buffer view
     cdef bint held
+    cdef bint release_pending
+    cdef readonly Py_ssize_t exports
     cdef readonly bint readonly
 
     def __cinit__(self, obj, bint writable=False):
@@ -39,15 +47,60 @@ cdef class Export:
     def nbytes(self) -> int:
         return self.view.len
 
-    def release(self) -> None:
-        """Give the export back; the object may be resized or freed afterwards."""
-        if self.held:
+    @property
+    def released(self) -> bool:
+        """True once ``release()`` was asked for (the memory may still back live views)."""
+        return not self.held or self.release_pending
+
+    def __getbuffer__(self, Py_buffer *buffer, int flags):
+        if not self.held or self.release_pending:
+            raise BufferError("the registration behind this memory was released")
+        PyBuffer_FillInfo(buffer, self, self.view.buf, self.view.len, self.view.readonly, flags)
+        self.exports += 1
+
+    def __releasebuffer__(self, Py_buffer *buffer):
+        self.exports -= 1
+        if self.exports == 0 and self.release_pending:
+            self.release_pending = False
             self.held = False
             PyBuffer_Release(&self.view)
+
+    def release(self) -> None:
+        """Give the export back (after the last view of it is released, if any is alive)."""
+        if not self.held:
+            return
+        if self.exports > 0:
+            self.release_pending = True
+            return
+        self.held = False
+        PyBuffer_Release(&self.view)
 
     def __dealloc__(self):
         if self.held:
             PyBuffer_Release(&self.view)
+
+
+cdef class Window:
+    """Raw memory as a buffer exporter that keeps ``owner`` (what keeps the memory valid) alive."""
+
+    cdef void *buf
+    cdef Py_ssize_t length
+    cdef bint ro
+    cdef object owner
+
+    def __cinit__(self, uintptr_t address, Py_ssize_t nbytes, bint readonly, owner):
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        self.buf = <void *>address
+        self.length = nbytes
+        self.ro = readonly
+        self.owner = owner
+
+    def __getbuffer__(self, Py_buffer *buffer, int flags):
+        PyBuffer_FillInfo(buffer, self, self.buf, self.length, self.ro, flags)
+
+    def __releasebuffer__(self, Py_buffer *buffer):
+        pass
 
 
 def view(uintptr_t address, Py_ssize_t nbytes, bint readonly=False):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from helpers import etcd_healthy, free_port, live_children, terminate_group, wait_until
 
+from mooncake_plugins.transfer import implementation
 from mooncake_plugins.transfer.metadata import MetadataServer
 
 # Room for the metadata store's 16 MiB values plus request overhead (etcd's default is 1.5 MiB).
@@ -172,3 +173,27 @@ def _no_leaked_processes(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if not wait_until(lambda: not leaked(), 5.0):
         pytest.fail(f"{request.node.nodeid} left child processes running: {sorted(leaked())}")
+
+
+@pytest.fixture(params=implementation.NAMES)
+def impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test on the native data path and on the pure-Python one, in this session.
+
+    Engines and store clients made inside the test use the chosen implementation; child
+    processes get it through ``impl_env``. The implementation in force before is restored.
+    """
+    before = implementation.current()
+    try:
+        implementation.use(request.param)
+    except ImportError as exc:
+        pytest.fail(f"the native extensions are not built: {exc}", pytrace=False)
+    try:
+        yield request.param
+    finally:
+        implementation.use(before)
+
+
+@pytest.fixture
+def impl_env(impl: str) -> dict[str, str]:
+    """Environment variables that select ``impl`` in a child process."""
+    return {"MOONCAKE_PUREPYTHON": "1" if impl == "python" else "0"}

@@ -89,7 +89,11 @@ class TransferEngine:
         cfg = EngineConfig.from_env()
         if protocol == "tcp" and cfg.transports == ["shm", "tcp"]:
             cfg.transports = _PROTOCOLS[protocol]
-        self._engine = _Engine(local_hostname, metadata_server or P2P, config=cfg)
+        try:
+            self._engine = _Engine(local_hostname, metadata_server or P2P, config=cfg)
+        except OSError as exc:  # e.g. the port is in use: a code, as the original returns
+            log.error("initialize(%r, %r) failed: %s", local_hostname, metadata_server, exc)
+            return -1
         return 0
 
     def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str,

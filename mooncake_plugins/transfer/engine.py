@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import msgpack
 
 from ..config import EngineConfig
-from ..errors import (AddressError, InvalidArgument, MetadataError, MooncakeError,
+from ..errors import (AddressError, InvalidArgument, MetadataError, MooncakeError, RegionBusy,
                       SegmentNotFound, TransferError, TransferTimeout, TransportUnavailable)
 from . import memory
 from .batch import Batch, OpCode, TransferRequest, validate_range, validate_request
@@ -30,7 +30,8 @@ from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor
 from .topology import host_id
 from .transports import get_transport
 from .transports.base import OP_READ, OP_WRITE, Transport
-from .transports.shm import EPOCH, impl as shm_impl
+from .transports import shm
+from .transports.shm import EPOCH, publish_local
 from .transports.tcp import TcpServer, TcpTransport
 
 log = logging.getLogger(__name__)
@@ -49,15 +50,22 @@ class ManagedBuffer:
     region: Region
 
     def view(self) -> memoryview:
-        """A writable memoryview of the whole buffer (valid until ``free``)."""
-        return memory.view(self.address, self.nbytes)
+        """A writable memoryview of the whole buffer.
+
+        The view keeps the memory mapped: after ``free`` it still reads and writes the old
+        pages (which no peer reaches any more), and the pages go with the last view.
+
+        Raises:
+            BufferError: the buffer was freed.
+        """
+        return memory.view_of(self.region.keepalive, self.address, self.nbytes)
 
 
 class _Memfd:
     """An anonymous shared-memory file mapped in this process."""
 
     def __init__(self, name: str, nbytes: int) -> None:
-        self.fd = shm_impl.memfd_create(name)
+        self.fd = shm.impl.memfd_create(name)
         try:
             os.ftruncate(self.fd, nbytes)
             # Reserve the pages now: a full /dev/shm fails here with ENOSPC instead of a
@@ -72,8 +80,12 @@ class _Memfd:
         self.export = memory.Export(self.map, True)
 
     def close(self) -> None:
+        """Unmap, or leave the mapping to the last user view of it (see ManagedBuffer.view)."""
         self.export.release()
-        self.map.close()
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # views are alive: the mmap unmaps itself when the last one is released
         os.close(self.fd)
 
 
@@ -125,14 +137,27 @@ class TransferEngine:
         self.config.validate()
         host, port = _split_hostname(local_hostname)
         bind_host = socket.gethostbyname(host) if host else "0.0.0.0"
-        self._metadata: MetadataStore | None = from_url(metadata_server)
+        self._metadata: MetadataStore | None = None
         self._regions = RegionTable()
         self._lock = threading.Lock()
         self._peers: dict[str, Peer] = {}
         self._managed: dict[int, tuple[ManagedBuffer, _Memfd]] = {}
         self._notifies: list[tuple[str, str]] = []
         self._batch_ids = itertools.count(1)
+        self._transports: list[Transport] = []
+        self._closed = True  # until started: a failed start leaves nothing behind
+        try:
+            self._start(metadata_server, bind_host, host, port, local_hostname, segment_name)
+        except BaseException:
+            self._stop_partial()
+            raise
         self._closed = False
+        log.info("engine %s serving on %s:%d (transports %s, %s data path)", self.segment_name,
+                 self.host, self.rpc_port, [t.name for t in self._transports], memory.IMPLEMENTATION)
+
+    def _start(self, metadata_server: str, bind_host: str, host: str, port: int,
+               local_hostname: str, segment_name: str | None) -> None:
+        self._metadata = from_url(metadata_server)
         self._epoch = _Memfd("mooncake-epoch", mmap.PAGESIZE)
         self._server = TcpServer(bind_host, port, self._regions, self._on_control)
         self.host = bind_host if bind_host != "0.0.0.0" else socket.gethostbyname(socket.gethostname())
@@ -143,7 +168,6 @@ class TransferEngine:
         self.segment_name = segment_name
         self._tcp = TcpTransport(self.config.connections_per_peer, self.config.connect_timeout_s,
                                  self.config.transfer_timeout_s)
-        self._transports: list[Transport] = []
         for name in self.config.transports:
             if name == "tcp":
                 self._transports.append(self._tcp)
@@ -153,9 +177,23 @@ class TransferEngine:
                 except TransportUnavailable as exc:
                     log.warning("transport %s disabled: %s", name, exc)
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="mc-worker")
+        publish_local(self.rpc_port, self._regions)
         self._publish()
-        log.info("engine %s serving on %s:%d (transports %s, %s data path)", self.segment_name,
-                 self.host, self.rpc_port, [t.name for t in self._transports], memory.IMPLEMENTATION)
+
+    def _stop_partial(self) -> None:
+        """Undo what a failed ``_start`` got to (nothing was registered yet)."""
+        if hasattr(self, "rpc_port"):
+            publish_local(self.rpc_port, None)
+        if hasattr(self, "_pool"):
+            self._pool.shutdown(wait=True)
+        for t in self._transports:
+            t.close()
+        if hasattr(self, "_server"):
+            self._server.close()
+        if hasattr(self, "_epoch"):
+            self._epoch.close()
+        if self._metadata is not None:
+            self._metadata.close()
 
     # -- registration ----------------------------------------------------------------
     def register(self, buffer: Any, location: str = "*", private: bool = False) -> Region:
@@ -198,13 +236,14 @@ class TransferEngine:
         """
         self._check_open()
         addr = address.address if isinstance(address, Region) else address
-        if addr in self._managed:
-            raise InvalidArgument(f"0x{addr:x} is a managed buffer: use free()")
+        with self._lock:
+            if addr in self._managed:
+                raise InvalidArgument(f"0x{addr:x} is a managed buffer: use free()")
         region = self._regions.remove(addr, wait_s)
+        if not region.private:
+            self._changed()  # peers learn first; the memory is let go last
         if hasattr(region.keepalive, "release"):
             region.keepalive.release()
-        if not region.private:
-            self._changed()
 
     def allocate(self, nbytes: int, location: str = "*") -> ManagedBuffer:
         """Allocate and register ``nbytes`` of memfd-backed memory (shm peers map it directly)."""
@@ -213,7 +252,8 @@ class TransferEngine:
             raise InvalidArgument(f"nbytes must be a positive int, got {nbytes!r}")
         mf = _Memfd("mooncake-buffer", nbytes)
         try:
-            region = self._regions.add(Region(RegionInfo(mf.export.address, nbytes, location, mf.fd)))
+            region = self._regions.add(Region(RegionInfo(mf.export.address, nbytes, location, mf.fd),
+                                              keepalive=mf.export))
         except BaseException:
             mf.close()
             raise
@@ -225,14 +265,16 @@ class TransferEngine:
 
     def free(self, address: int | ManagedBuffer, wait_s: float = 1.0) -> None:
         """Unregister and release a buffer from :meth:`allocate` (see ``unregister``)."""
+        self._check_open()
         addr = address.address if isinstance(address, ManagedBuffer) else address
         with self._lock:
             if addr not in self._managed:
                 raise InvalidArgument(f"0x{addr:x} was not allocated by this engine")
-            self._regions.remove(addr, wait_s)
+        self._regions.remove(addr, wait_s)  # waits for in-flight slices, not under our lock
+        with self._lock:
             _, mf = self._managed.pop(addr)
+        self._changed()  # peers learn first; the memory is let go last
         mf.close()
-        self._changed()
 
     def is_registered(self, address: int, nbytes: int) -> bool:
         """Whether ``[address, address+nbytes)`` lies in one local region (private ones too)."""
@@ -243,9 +285,17 @@ class TransferEngine:
             return False
 
     def local_view(self, address: int, nbytes: int) -> memoryview:
-        """A writable memoryview of locally registered memory; AddressError outside it."""
+        """A memoryview of locally registered memory (read-only for read-only regions).
+
+        The view keeps the memory valid while it lives: ``unregister``/``free`` succeed, and
+        the registration's hold on the buffer (or the mapping) is let go with the last view.
+        Memory from ``register_address`` is the caller's to keep valid, as registered.
+
+        Raises:
+            AddressError: the range is not inside one registered region.
+        """
         region = self._regions.find(address, nbytes)
-        return memory.view(address, nbytes, readonly=region.readonly)
+        return memory.view_of(region.keepalive, address, nbytes, readonly=region.readonly)
 
     def regions(self) -> list[RegionInfo]:
         """The published (non-private) regions."""
@@ -538,27 +588,47 @@ class TransferEngine:
         if self._closed:
             raise InvalidArgument("the transfer engine is closed")
 
-    def close(self) -> None:
-        """Stop serving, unpublish, wait for running slices and release all memory."""
-        if self._closed:
-            return
-        self._closed = True
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop serving, unpublish, wait for running transfers and release all memory.
+
+        Transfers still touching a region after ``wait_s`` (another thread's, or a peer's)
+        keep that region's memory: it is leaked with an error logged, never unmapped under
+        a copy.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         if self._metadata is not None:
             try:
                 self._metadata.delete(METADATA_PREFIX + self.segment_name)
             except MetadataError as exc:
                 log.warning("could not unpublish %s: %s", self.segment_name, exc)
             self._metadata.close()
+        publish_local(self.rpc_port, None)
         self._server.close()
         self._pool.shutdown(wait=True)
         for t in self._transports:
             t.close()
-        for _, mf in self._managed.values():
-            mf.close()
-        self._managed.clear()
+        released = []
         for region in self._regions.regions():
-            if hasattr(region.keepalive, "release"):
+            try:
+                released.append(self._regions.remove(region.address, wait_s))
+            except RegionBusy as exc:
+                log.error("engine %s closing: %s; its memory is left mapped", self.segment_name, exc)
+            except InvalidArgument:
+                pass  # freed by another thread meanwhile
+        EPOCH.pack_into(self._epoch.map, 0, self._regions.epoch + 1)  # same-host peers re-check
+        with self._lock:
+            managed = {id(buf.region): mf for buf, mf in self._managed.values()}
+            self._managed.clear()
+        for region in released:
+            mf = managed.pop(id(region), None)
+            if mf is not None:
+                mf.close()
+            elif hasattr(region.keepalive, "release"):
                 region.keepalive.release()
+        self._leaked = list(managed.values())  # still in use: mapped for as long as we live
         self._epoch.close()
 
     def __enter__(self) -> "TransferEngine":

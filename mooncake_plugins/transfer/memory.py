@@ -16,10 +16,10 @@ from ..errors import InvalidArgument
 log = logging.getLogger(__name__)
 
 _native: Any = None
-if not PURE_PYTHON:
-    try:
-        from .._native import buffers as _native
-    except ImportError as exc:  # pragma: no cover - depends on the build
+try:
+    from .._native import buffers as _native
+except ImportError as exc:  # pragma: no cover - depends on the build
+    if not PURE_PYTHON:
         log.warning("native buffers unavailable (%s); using the ctypes fallback", exc)
 
 
@@ -47,15 +47,27 @@ class _PyExport:
 
             self.address = int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
         self.nbytes = mv.nbytes
+        self.released = False
+
+    def __getitem__(self, key: slice) -> memoryview:
+        """A view of the held memory; it keeps the export alive (memoryview slices share it)."""
+        if self.released:
+            raise BufferError("the registration behind this memory was released")
+        return self._mv[key]
 
     def release(self) -> None:
-        self._mv.release()
+        """Give the export back once no view of it is alive (views keep it until then)."""
+        if not self.released:
+            self.released = True
+            self._mv.release()
 
 
-def _py_view(address: int, nbytes: int, readonly: bool = False) -> memoryview:
+def _py_view(address: int, nbytes: int, readonly: bool = False, owner: Any = None) -> memoryview:
     if nbytes < 0:
         raise ValueError("nbytes must be >= 0")
-    mv = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+    window = (ctypes.c_char * nbytes).from_address(address)
+    window._owner = owner  # the view holds the window, the window its owner
+    mv = memoryview(window).cast("B")
     return mv.toreadonly() if readonly else mv
 
 
@@ -73,20 +85,48 @@ def _py_empty_bytes(nbytes: int) -> bytearray:
     return bytearray(nbytes)
 
 
-if _native is not None:
-    Export = _native.Export
-    view = _native.view
-    copy = _native.copy
-    copy_many = _native.copy_many
-    empty_bytes = _native.empty_bytes
-    IMPLEMENTATION = "native"
-else:
-    Export = _PyExport  # type: ignore[assignment,misc]
-    view = _py_view
-    copy = _py_copy
-    copy_many = _py_copy_many
-    empty_bytes = _py_empty_bytes
-    IMPLEMENTATION = "python"
+Export: Any
+view: Any
+copy: Any
+copy_many: Any
+empty_bytes: Any
+IMPLEMENTATION = ""
+
+
+def use(native: bool) -> None:
+    """Bind this module's functions to the native module or to the ctypes fallback."""
+    global Export, view, copy, copy_many, empty_bytes, IMPLEMENTATION
+    if native and _native is None:
+        raise ImportError("the native buffers module is not built (pip install -e .)")
+    src: Any = _native if native else None
+    Export = src.Export if src else _PyExport
+    view = src.view if src else _py_view
+    copy = src.copy if src else _py_copy
+    copy_many = src.copy_many if src else _py_copy_many
+    empty_bytes = src.empty_bytes if src else _py_empty_bytes
+    IMPLEMENTATION = "native" if native else "python"
+
+
+use(_native is not None and not PURE_PYTHON)
+
+
+def view_of(keep: Any, address: int, nbytes: int, readonly: bool = False) -> memoryview:
+    """A user-facing view of registered memory that keeps it mapped while the view lives.
+
+    ``keep`` is what holds the memory: an :class:`Export` (the view counts as one of its
+    exports, so a release waits for the view) or any other owner (a tensor), which the
+    view references. ``view`` above is the raw form for the data path's internal use.
+    """
+    if isinstance(keep, _PyExport) or (_native is not None and isinstance(keep, _native.Export)):
+        if keep.released:
+            raise BufferError("the registration behind this memory was released")
+        start = address - keep.address
+        mv = keep[start:start + nbytes] if isinstance(keep, _PyExport) \
+            else memoryview(keep)[start:start + nbytes]
+        return mv.toreadonly() if readonly and not mv.readonly else mv
+    if IMPLEMENTATION == "native":
+        return memoryview(_native.Window(address, nbytes, readonly, keep))
+    return _py_view(address, nbytes, readonly, keep)
 
 
 def address_of(obj: Any) -> tuple[int, int]:

@@ -145,10 +145,14 @@ class RegionTable:
             if region.inflight == 0:
                 self._drained.notify_all()
 
-    def acquire_many(self, ranges: list[tuple[int, int]]) -> list[Region]:
+    def acquire_many(self, ranges: list[tuple[int, int]], remote: bool = False) -> list[Region]:
         """:meth:`acquire` for every ``(address, nbytes)``, all or none, under one lock."""
         with self._lock:
             regions = [self._find(a, n) for a, n in ranges]
+            if remote:
+                for (a, n), r in zip(ranges, regions):
+                    if r.private:
+                        raise AddressError(f"range 0x{a:x}+{n} is not inside a registered region")
             for r in regions:
                 r.inflight += 1
             return regions

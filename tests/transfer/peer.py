@@ -5,6 +5,7 @@ then answers one line per command: ``sha`` (sha256 of the buffer), ``stats`` (by
 served, JSON), ``fill <seed>``
 (deterministic bytes), ``write <segment> <remote_address> <nbytes>`` and
 ``read <segment> <remote_address> <nbytes>`` (from/into the start of its own buffer),
+``realloc`` (free the buffer and allocate one of the same size; prints its address),
 ``quit``.
 """
 
@@ -36,7 +37,7 @@ def main() -> None:
     cfg = EngineConfig.from_env()
     cfg.transports = args.transports.split(",")
     engine = TransferEngine(args.hostname, args.metadata, config=cfg)
-    if args.plain:
+    if args.plain:  # realloc needs a managed buffer
         keep = bytearray(args.nbytes)
         address = engine.register(keep).address
     else:
@@ -61,6 +62,12 @@ def main() -> None:
                 fn = engine.write if cmd[0] == "write" else engine.read
                 fn(cmd[1], address, int(cmd[2]), int(cmd[3]), timeout_s=60)
                 print("ok", flush=True)
+            elif cmd[0] == "realloc":
+                view.release()
+                engine.free(address)
+                address = engine.allocate(args.nbytes).address
+                view = engine.local_view(address, args.nbytes)
+                print(address, flush=True)
             elif cmd[0] == "quit":
                 break
         except Exception as exc:  # report to the test, keep serving

@@ -3,6 +3,7 @@
 import random
 
 import pytest
+from helpers import wait_until
 
 from mooncake_plugins.compat.engine import TransferEngine, TransferNotify, TransferOpcode
 
@@ -55,9 +56,10 @@ def test_batches_sync_and_async(engines):
     assert ini.get_batch_transfer_status([bid]) == 0
     assert [ini.read_bytes_from_buffer(a, len(d)) for a, d in zip(srcs, data)] == data
     bid = ini.transfer_submit_write(name, src, dst, 4096)
-    while (rc := ini.transfer_check_status(bid)) == 0:
-        pass
-    assert rc == 1
+    seen = []  # the id is freed once it reports an end: keep what that call said
+    assert wait_until(lambda: seen.append(ini.transfer_check_status(bid)) or seen[-1] != 0, 30,
+                      interval_s=0.001)
+    assert seen[-1] == 1
     assert ini.batch_transfer_sync(name, [src], [dst], [64], TransferOpcode.READ,
                                    TransferNotify("k", "v")) == 0
     assert [(n.name, n.msg) for n in target.get_notifies()] == [("k", "v")]
@@ -80,6 +82,8 @@ def test_error_codes(engines):
     assert ini.send_probe("127.0.0.1:1") < 0
     bad = TransferEngine()
     assert bad.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0") < 0
+    port_in_use = TransferEngine()  # OSError (address in use) is a code too, never raised
+    assert port_in_use.initialize(f"127.0.0.1:{ini.get_rpc_port()}", "P2PHANDSHAKE", "tcp", "") < 0
 
 
 def test_register_raw_memory(engines):

@@ -162,7 +162,14 @@ def test_peer_registers_later_is_seen(pair):
     src = a.allocate(8192)
     a.write(b.segment_name, src.address, first.address, 4096)  # caches b's descriptor
     later = b.allocate(8192)
+    fill(src.view(), 7)
     a.write(b.segment_name, src.address, later.address, 8192)
+    assert bytes(later.view()) == bytes(src.view())
+    b.free(first)  # the same size again: often the same address (and fd number) as before
+    again = b.allocate(4096)
+    fill(src.view(), 8)
+    a.write(b.segment_name, src.address, again.address, 4096)
+    assert bytes(again.view()) == bytes(src.view()[:4096])
 
 
 def test_freed_peer_region_is_refused(pair):

@@ -3,13 +3,18 @@
 Regions the target allocated through the engine are memfd-backed: we map them once
 through ``/proc/<pid>/fd/<n>`` and copy with memcpy (one copy, no syscall per slice).
 Other registered memory is reached with process_vm_readv/writev (one copy in the kernel).
+A target in this very process is reached through its live region table, holding the
+target's regions (its in-flight count) during the copy, as its tcp server would.
 
 Bounds are checked against the target's published descriptor. The target bumps an epoch
-counter in a small shared memfd page on every (un)registration; a changed epoch makes us
-re-fetch the descriptor before the copy. What remains is the window between that check
-and the copy itself: a region unregistered exactly then may still be written. memfd
-regions are safe even so (our mapping keeps the pages alive); for process_vm regions the
-owner must not unregister memory it is still exposing to peers, as with RDMA.
+counter in a small shared memfd page on every (un)registration, before it releases any
+memory. A copy reads that epoch before and after (a seqlock): a changed epoch means the
+regions changed meanwhile, and the copy is repeated against the fresh descriptor unless
+every memfd it touched is still the same file (its inode). So a copy reported done landed
+in memory that was registered when it finished: a buffer freed and reallocated at the same
+address and fd number is never written through the old mapping. The window that remains
+is for process_vm regions only: memory unregistered during the copy may have been written
+(the owner must not unregister memory it is still exposing to peers, as with RDMA).
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ...config import PURE_PYTHON
-from ...errors import TransferError
+from ...errors import AddressError, TransferError
 from .. import memory
+from ..segment import RegionInfo, RegionTable
 from ..topology import host_id
 from .base import OP_WRITE, Transport
 
@@ -74,33 +80,56 @@ class _PyShm:
         return os.memfd_create(name, os.MFD_CLOEXEC)
 
 
-def _pick_impl() -> Any:
+class _Impl:
+    """The copy functions in use: ``_native.shm``'s or ``_PyShm``'s, rebound by :func:`use`."""
+
+
+impl: Any = _Impl()
+IMPLEMENTATION = ""
+
+
+def use(native: bool) -> None:
+    """Bind ``impl`` to the native module or to the ctypes fallback."""
+    global IMPLEMENTATION
+    src: Any = None
+    if native:
+        from ..._native import shm as src
+    else:
+        src = _PyShm()
+    impl.vm_copy, impl.memfd_create = src.vm_copy, src.memfd_create
+    IMPLEMENTATION = "native" if native else "python"
+
+
+def _pick() -> None:
     if not PURE_PYTHON:
         try:
-            from ..._native import shm as native_shm
-
-            return native_shm
+            use(True)
+            return
         except ImportError as exc:  # pragma: no cover - depends on the build
             log.warning("native shm unavailable (%s); using the ctypes fallback", exc)
-    return _PyShm()
+    use(False)
 
 
-impl: Any = _pick_impl()
-IMPLEMENTATION = "python" if isinstance(impl, _PyShm) else "native"
+_pick()
 
 
 class _Mapping:
-    """One memfd of a peer mapped into this process."""
+    """One memfd of a peer mapped into this process; ``users`` copies are using it now."""
 
     def __init__(self, pid: int, fd: int, nbytes: int, writable: bool = True) -> None:
         path = f"/proc/{pid}/fd/{fd}"
         flags = os.O_RDWR if writable else os.O_RDONLY
         ofd = os.open(path, flags | os.O_CLOEXEC)
         try:
+            self.inode = os.fstat(ofd).st_ino
             self.map = mmap.mmap(ofd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                  mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         finally:
             os.close(ofd)
+        self.fd, self.nbytes = fd, nbytes
+        self.checked_epoch = -1  # the peer's epoch at which ``inode`` was last confirmed
+        self.users = 0
+        self.retired = False
         self._export = memory.Export(self.map, writable) if writable else None
         self.address = self._export.address if self._export else 0
 
@@ -110,14 +139,36 @@ class _Mapping:
         self.map.close()
 
 
+def _inode(pid: int, fd: int) -> int | None:
+    """The inode of the file behind a peer's fd now (None: closed, or the peer is gone)."""
+    try:
+        return os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+    except OSError:
+        return None
+
+
+_LOCAL_TABLES: dict[int, RegionTable] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def publish_local(port: int, table: RegionTable | None) -> None:
+    """Make an engine of this process reachable by same-process copies (None: withdraw)."""
+    with _LOCAL_LOCK:
+        if table is None:
+            _LOCAL_TABLES.pop(port, None)
+        else:
+            _LOCAL_TABLES[port] = table
+
+
 class ShmTransport(Transport):
     """Initiator side of shm; the target does nothing but publish its descriptor."""
 
     name = "shm"
+    ATTEMPTS = 4  # copies repeated because the target's regions changed under them
 
     def __init__(self) -> None:
         self._host_id = host_id()
-        self._maps: dict[tuple[int, int, int], _Mapping] = {}
+        self._maps: dict[tuple[int, int], _Mapping] = {}
         self._epochs: dict[tuple[int, int], _Mapping] = {}
         self._lock = threading.Lock()
 
@@ -131,24 +182,42 @@ class ShmTransport(Transport):
                 page = self._epochs[(pid, fd)] = _Mapping(pid, fd, mmap.PAGESIZE, writable=False)
             return page
 
-    def _region_map(self, pid: int, fd: int, nbytes: int) -> _Mapping:
+    def _acquire_map(self, desc: Any, region: RegionInfo) -> _Mapping:
+        """The mapping of ``region``'s memfd, checked to be the same file at ``desc.epoch``."""
+        key = (desc.pid, region.memfd)
         with self._lock:
-            m = self._maps.get((pid, fd, nbytes))
+            m = self._maps.get(key)
+            if m is not None and m.checked_epoch != desc.epoch:
+                if m.nbytes == region.nbytes and _inode(desc.pid, region.memfd) == m.inode:
+                    m.checked_epoch = desc.epoch
+                else:  # freed, and maybe reallocated under the same fd: a different file
+                    self._retire(self._maps.pop(key))
+                    m = None
             if m is None:
-                m = self._maps[(pid, fd, nbytes)] = _Mapping(pid, fd, nbytes)
+                m = self._maps[key] = _Mapping(desc.pid, region.memfd, region.nbytes)
+                m.checked_epoch = desc.epoch
+            m.users += 1
             return m
 
-    def _current(self, peer: "Peer") -> Any:
-        """The peer's descriptor, re-fetched if its epoch page says regions changed."""
-        desc = peer.descriptor
-        if desc.epoch_memfd >= 0:
-            try:
-                epoch = EPOCH.unpack_from(self._epoch_page(desc.pid, desc.epoch_memfd).map, 0)[0]
-            except OSError as exc:
-                raise TransferError(f"segment {desc.name!r} (pid {desc.pid}) is gone: {exc}") from exc
-            if epoch != desc.epoch:
-                desc = peer.refresh()
-        return desc
+    def _release_maps(self, maps: list[_Mapping]) -> None:
+        with self._lock:
+            for m in maps:
+                m.users -= 1
+                if m.retired and m.users == 0:
+                    m.close()
+
+    @staticmethod
+    def _retire(m: _Mapping) -> None:
+        """Close ``m`` now, or when its last user lets go (caller holds ``_lock``)."""
+        m.retired = True
+        if m.users == 0:
+            m.close()
+
+    def _epoch_now(self, desc: Any) -> int:
+        try:
+            return EPOCH.unpack_from(self._epoch_page(desc.pid, desc.epoch_memfd).map, 0)[0]
+        except OSError as exc:
+            raise TransferError(f"segment {desc.name!r} (pid {desc.pid}) is gone: {exc}") from exc
 
     def execute(self, peer: "Peer", op: int, local_address: int, remote_address: int,
                 nbytes: int) -> None:
@@ -156,41 +225,91 @@ class ShmTransport(Transport):
 
     def execute_many(self, peer: "Peer", slices: list[tuple[int, int, int, int, int]]) -> None:
         """Check every slice against the live descriptor, then copy them all in one call."""
-        desc = self._current(peer)
-        same_process = desc.pid == os.getpid()
+        desc = peer.descriptor
+        if desc.pid == os.getpid():
+            self._copy_in_process(desc, slices)
+            return
+        if desc.epoch_memfd < 0:
+            raise TransferError(f"segment {desc.name!r} publishes no epoch page: shm cannot "
+                                f"tell when its regions change")
+        for _ in range(self.ATTEMPTS):
+            before = self._epoch_now(desc)
+            if before != desc.epoch:
+                desc = peer.refresh()
+            touched = self._copy(desc, slices)
+            if self._epoch_now(desc) == before or self._unchanged(peer, touched):
+                return
+        raise TransferError(f"segment {desc.name!r} kept changing its regions during the copy "
+                            f"({self.ATTEMPTS} attempts)")
+
+    def _copy(self, desc: Any, slices: list[tuple[int, int, int, int, int]]) -> list[_Mapping]:
+        """Copy the slices once; returns the memfd mappings used (to re-check afterwards)."""
         copies: list[tuple[int, int, int]] = []
-        bases: dict[int, int] = {}  # memfd -> where it is mapped here
-        for _, op, local, remote, n in slices:
-            write = op == OP_WRITE
-            region = desc.find(remote, n, write)
-            if same_process:
-                peer_address = remote
-            elif region.memfd >= 0:
-                base = bases.get(region.memfd)
-                if base is None:
-                    base = bases[region.memfd] = self._region_map(desc.pid, region.memfd,
-                                                                  region.nbytes).address
-                peer_address = base + (remote - region.address)
-            else:
-                impl.vm_copy(desc.pid, local, remote, n, write)
-                continue
-            copies.append((peer_address, local, n) if write else (local, peer_address, n))
-        memory.copy_many(copies)
+        maps: dict[int, _Mapping] = {}  # memfd -> its mapping here
+        try:
+            for _, op, local, remote, n in slices:
+                write = op == OP_WRITE
+                region = desc.find(remote, n, write)
+                if region.memfd < 0:
+                    impl.vm_copy(desc.pid, local, remote, n, write)
+                    continue
+                m = maps.get(region.memfd)
+                if m is None:
+                    m = maps[region.memfd] = self._acquire_map(desc, region)
+                peer_address = m.address + (remote - region.address)
+                copies.append((peer_address, local, n) if write else (local, peer_address, n))
+            memory.copy_many(copies)
+        finally:
+            self._release_maps(list(maps.values()))
+        return list(maps.values())
+
+    def _unchanged(self, peer: "Peer", touched: list[_Mapping]) -> bool:
+        """After an epoch change: is every memfd we copied through still the peer's file?"""
+        desc = peer.refresh()
+        live = {r.memfd: r for r in desc.regions if r.memfd >= 0}
+        for m in touched:
+            region = live.get(m.fd)
+            if region is None or region.nbytes != m.nbytes or _inode(desc.pid, m.fd) != m.inode:
+                return False
+        return True
+
+    @staticmethod
+    def _copy_in_process(desc: Any, slices: list[tuple[int, int, int, int, int]]) -> None:
+        """Copy to an engine of this process, holding its regions like its tcp server does."""
+        with _LOCAL_LOCK:
+            table = _LOCAL_TABLES.get(desc.port)
+        if table is None:
+            raise TransferError(f"segment {desc.name!r} in this process is closed")
+        held = table.acquire_many([(s[3], s[4]) for s in slices], remote=True)
+        try:
+            copies = []
+            for (_, op, local, remote, n), region in zip(slices, held):
+                if op == OP_WRITE:
+                    if region.readonly:
+                        raise AddressError(f"segment {desc.name!r} registered "
+                                           f"0x{region.address:x} read-only")
+                    copies.append((remote, local, n))
+                else:
+                    copies.append((local, remote, n))
+            memory.copy_many(copies)
+        finally:
+            table.release_many(held)
 
     def forget(self, peer: "Peer") -> None:
         pid = peer.descriptor.pid
         with self._lock:
-            drop = [k for k in self._maps if k[0] == pid]
-            maps = [self._maps.pop(k) for k in drop]
-            drop = [k for k in self._epochs if k[0] == pid]
-            maps += [self._epochs.pop(k) for k in drop]
-        for m in maps:
-            m.close()
+            for key in [k for k in self._maps if k[0] == pid]:
+                self._retire(self._maps.pop(key))
+            pages = [self._epochs.pop(k) for k in list(self._epochs) if k[0] == pid]
+        for page in pages:
+            page.close()
 
     def close(self) -> None:
         with self._lock:
-            maps = list(self._maps.values()) + list(self._epochs.values())
+            for m in self._maps.values():
+                self._retire(m)
             self._maps.clear()
+            pages = list(self._epochs.values())
             self._epochs.clear()
-        for m in maps:
-            m.close()
+        for page in pages:
+            page.close()

@@ -108,19 +108,38 @@ class _PyIO:
             s.detach()
 
 
-def _pick_io() -> Any:
+class _IO:
+    """The byte loops in use: ``_native.tcp``'s or ``_PyIO``'s, rebound by :func:`use`."""
+
+    NAMES = ("recv_into_address", "recv_exact", "discard", "send_frame", "spin_until_readable")
+
+
+io: Any = _IO()
+IMPLEMENTATION = ""
+
+
+def use(native: bool) -> None:
+    """Bind ``io`` (shared by the engine and the store RPC) to native or Python loops."""
+    global IMPLEMENTATION
+    src: Any = _PyIO
+    if native:
+        from ..._native import tcp as src
+    for name in _IO.NAMES:
+        setattr(io, name, getattr(src, name))
+    IMPLEMENTATION = "native" if native else "python"
+
+
+def _pick() -> None:
     if not PURE_PYTHON:
         try:
-            from ..._native import tcp as native_tcp
-
-            return native_tcp
+            use(True)
+            return
         except ImportError as exc:  # pragma: no cover - depends on the build
             log.warning("native tcp unavailable (%s); using the Python fallback", exc)
-    return _PyIO
+    use(False)
 
 
-io: Any = _pick_io()
-IMPLEMENTATION = "python" if io is _PyIO else "native"
+_pick()
 
 
 def _set_deadline(sock: socket.socket, timeout_s: float) -> None:
