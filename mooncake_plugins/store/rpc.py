@@ -22,7 +22,9 @@ import msgpack
 
 from ..config import spin_us
 from ..errors import MooncakeError, ProtocolError, RpcFailed, RpcTimeout, store_error
-from ..transfer.listener import ConnectionServer
+from ..transfer.listener import (DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ConnectionServer,
+                                 idle_waiter, set_deadline)
+from ..transfer.protocol import unpack_bounded
 from ..transfer.transports.tcp import io
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,12 @@ log = logging.getLogger(__name__)
 LENGTH = struct.Struct("<I")
 MAX_FRAME_NBYTES = 64 << 20
 MAX_BATCH = 1 << 16
+MAX_REQUEST_CONTAINERS = 16
+"""Maps and arrays in one request (the largest schema, put_start, has 6)."""
+MAX_REQUEST_MAP_LEN = 64
+RECV_CHUNK_NBYTES = 1 << 20
+"""Frames are received in chunks of this size: memory follows the bytes that arrived,
+not the length a peer announced."""
 
 
 class ListOf:
@@ -74,14 +82,32 @@ def _pack(obj: Any) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-def _unpack(fd: int) -> Any:
+def _recv_frame(fd: int) -> bytes:
+    """The body of one length-prefixed frame (ProtocolError for a bad length)."""
     (n,) = LENGTH.unpack(io.recv_exact(fd, LENGTH.size))
     if not 0 < n <= MAX_FRAME_NBYTES:
         raise ProtocolError(f"frame of {n} bytes is outside (0, {MAX_FRAME_NBYTES}]")
+    if n <= RECV_CHUNK_NBYTES:
+        return io.recv_exact(fd, n)
+    chunks = []
+    while n:
+        chunks.append(io.recv_exact(fd, min(n, RECV_CHUNK_NBYTES)))
+        n -= len(chunks[-1])
+    return b"".join(chunks)
+
+
+def _unpack(fd: int) -> Any:
+    """One reply frame, decoded (client side: the master is trusted)."""
     try:
-        return msgpack.unpackb(io.recv_exact(fd, n), raw=False, strict_map_key=True)
+        return msgpack.unpackb(_recv_frame(fd), raw=False, strict_map_key=True)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ProtocolError(f"frame is not valid msgpack: {exc}") from None
+
+
+def _unpack_request(fd: int) -> Any:
+    """One request frame, decoded within the limits a valid request never reaches."""
+    return unpack_bounded(_recv_frame(fd), MAX_REQUEST_CONTAINERS, max_array_len=MAX_BATCH,
+                          max_map_len=MAX_REQUEST_MAP_LEN)
 
 
 Handler = tuple[Schema, Callable[..., Any]]
@@ -90,13 +116,17 @@ Handler = tuple[Schema, Callable[..., Any]]
 class RpcServer(ConnectionServer):
     """Serves ``handlers`` (method -> (schema, fn(**args))) on ``host:port``.
 
-    ``fn`` raises StoreError for an error reply; anything else is logged as an internal
-    error (-1) and the connection stays open.
+    ``fn`` raises StoreError for an error reply; anything else (a result that cannot be
+    encoded included) is logged as an internal error (-1) and the connection stays open.
+    ``max_connections`` and ``frame_timeout_s``: see :class:`ConnectionServer`.
     """
 
     def __init__(self, host: str, port: int, handlers: dict[str, Handler],
-                 gate: Callable[[], None] | None = None) -> None:
-        super().__init__(host, port, "mc-rpc", backlog=256)
+                 gate: Callable[[], None] | None = None, *,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S) -> None:
+        super().__init__(host, port, "mc-rpc", backlog=256, max_connections=max_connections,
+                         frame_timeout_s=frame_timeout_s)
         self._handlers = handlers
         self._gate = gate
         self._spin_us = spin_us()
@@ -104,11 +134,13 @@ class RpcServer(ConnectionServer):
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         fd = conn.fileno()
+        wait_idle = idle_waiter(fd)
         try:
             while True:
-                if self._spin_us:  # a client in a loop sends its next call right away
-                    io.spin_until_readable(fd, self._spin_us)
-                frame = _unpack(fd)
+                # a client in a loop sends its next call right away
+                if not (self._spin_us and io.spin_until_readable(fd, self._spin_us)):
+                    wait_idle()
+                frame = _unpack_request(fd)
                 if (not isinstance(frame, list) or len(frame) != 3 or not isinstance(frame[0], int)
                         or not isinstance(frame[1], str)):
                     raise ProtocolError("request must be [req_id, method, args]")
@@ -121,16 +153,19 @@ class RpcServer(ConnectionServer):
                 try:
                     if self._gate is not None:
                         self._gate()
-                    reply = [req_id, 0, fn(**args)]
+                    reply = _pack([req_id, 0, fn(**args)])
                 except MooncakeError as exc:  # StoreErrors carry the original's codes
-                    reply = [req_id, exc.code if exc.code < 0 else -1, str(exc)]
+                    reply = _pack([req_id, exc.code if exc.code < 0 else -1, str(exc)])
                 except Exception as exc:  # a bug in a handler must not kill the connection
                     log.exception("%s from %s failed", method, addr)
-                    reply = [req_id, -1, f"internal error: {exc!r}"]
-                io.send_frame(fd, _pack(reply), 0, 0)
+                    reply = _pack([req_id, -1, f"internal error: {exc!r}"])
+                io.send_frame(fd, reply, 0, 0)
         except ProtocolError as exc:
             log.error("closing rpc connection from %s: malformed frame: %s", addr, exc)
-        except (ConnectionError, TimeoutError):
+        except TimeoutError:
+            log.warning("closing rpc connection from %s: a frame made no progress for %.1f s",
+                        addr, self.frame_timeout_s)
+        except ConnectionError:
             pass
         except OSError as exc:
             if not self.closed:
@@ -161,11 +196,7 @@ class RpcClient:
         except OSError as exc:
             raise RpcFailed(f"cannot reach master {self.address}: {exc}") from exc
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.settimeout(None)
-        sec = int(self._timeout_s)
-        tv = struct.pack("ll", sec, int((self._timeout_s - sec) * 1e6))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        set_deadline(s, self._timeout_s)
         return s
 
     def call(self, method: str, **args: Any) -> Any:

@@ -16,7 +16,7 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 
@@ -408,8 +408,12 @@ class TransferEngine:
         reqs = list(requests)
         step = self.config.slice_nbytes
         slices: list[tuple[int, int, int, int, int]] = []
-        for index, r in enumerate(reqs):
+        for r in reqs:
             validate_request(r)
+        refused = self._refused(peer, [(r.op, r.remote_address, r.nbytes) for r in reqs])
+        for index, r in enumerate(reqs):
+            if index in refused:
+                continue
             op = OP_WRITE if r.op is OpCode.WRITE else OP_READ
             for off in range(0, r.nbytes, step):
                 slices.append((index, op, r.local_address + off, r.remote_address + off,
@@ -418,7 +422,11 @@ class TransferEngine:
         batch = Batch(next(self._batch_ids), segment, reqs)
         for s in slices:
             batch.add_slices(s[0], 1)
+        for index in refused:
+            batch.add_slices(index, 1)
         batch.seal()
+        if refused:
+            batch.slices_done(list(refused.items()))
         tasks = []
         first, budget = 0, 0
         for i, s in enumerate(slices):
@@ -433,6 +441,33 @@ class TransferEngine:
             for task, held in tasks:
                 self._pool.submit(self._run_task, peer, paths, batch, task, held)
         return batch
+
+    @staticmethod
+    def _refused(peer: Peer, items: Sequence[tuple[OpCode, int, int]]) -> dict[int, MooncakeError]:
+        """Requests whose remote range no published region holds, by index.
+
+        Refused whole before any slice moves, so a failed request never leaves part of its
+        bytes behind (the target still checks every slice itself). A range the cached
+        descriptor refuses is checked again against a fresh one.
+        """
+        def check(desc: SegmentDescriptor, indices: Iterable[int]) -> dict[int, MooncakeError]:
+            bad: dict[int, MooncakeError] = {}
+            for i in indices:
+                op, remote, n = items[i]
+                if n:
+                    try:
+                        desc.find(remote, n, op is OpCode.WRITE)
+                    except AddressError as exc:
+                        bad[i] = exc
+            return bad
+
+        bad = check(peer.descriptor, range(len(items)))
+        if bad:
+            try:
+                bad = check(peer.refresh(), bad)
+            except MooncakeError:
+                pass  # unreachable: keep what the cached descriptor said
+        return bad
 
     def _hold(self, slices: list[tuple[int, int, int, int, int]]) -> list[Region]:
         """Acquire the local region of every ``(index, op, local, remote, nbytes)`` slice.
@@ -529,14 +564,14 @@ class TransferEngine:
         peer = self.open_segment(segment)
         paths = self._paths(peer, transport)
         code = OP_WRITE if op is OpCode.WRITE else OP_READ
-        task = []
-        for i, (local, remote, n) in enumerate(items):
+        for local, remote, n in items:
             validate_range(local, remote, n)
-            if n:
-                task.append((i, code, local, remote, n))
+        refused = self._refused(peer, [(op, remote, n) for _, remote, n in items])
+        task = [(i, code, local, remote, n) for i, (local, remote, n) in enumerate(items)
+                if n and i not in refused]
         held = self._hold(task)
         try:
-            errors: list[MooncakeError | None] = [None] * len(items)
+            errors: list[MooncakeError | None] = [refused.get(i) for i in range(len(items))]
             for index, err in self._execute(peer, paths, task):
                 errors[index] = err
             return errors

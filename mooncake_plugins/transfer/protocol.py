@@ -103,13 +103,38 @@ def encode_control(cmd: str, **fields: Any) -> bytes:
     return msgpack.packb({"cmd": cmd, **fields}, use_bin_type=True)
 
 
+def unpack_bounded(payload: bytes, max_containers: int, **limits: int) -> Any:
+    """``msgpack.unpackb`` (str keys, no raw) that refuses more than ``max_containers``
+    maps and arrays in all, besides ``limits`` (``max_array_len=...``).
+
+    Decoding costs memory per object, up to about 64 bytes per payload byte for a run of
+    empty maps; the count is checked as each container completes, so such a payload is
+    refused after ``max_containers`` objects instead of being built whole.
+
+    Raises:
+        ProtocolError: not one valid msgpack object, or over a limit.
+    """
+    left = max_containers
+
+    def count(obj: Any) -> Any:
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise ProtocolError(f"more than {max_containers} maps and arrays")
+        return obj
+
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True, list_hook=count,
+                               object_hook=count, **limits)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack's errors (ValueError, StackError, ExtraData, ...)
+        raise ProtocolError(f"payload is not valid msgpack: {exc}") from None
+
+
 def decode_control(payload: bytes) -> dict[str, Any]:
     """Unpack and validate a control message against :data:`CONTROL_COMMANDS`."""
-    try:
-        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_bin_len=0,
-                              max_array_len=16, max_map_len=16)
-    except Exception as exc:
-        raise ProtocolError(f"control payload is not valid msgpack: {exc}") from None
+    msg = unpack_bounded(payload, 1, max_bin_len=0, max_array_len=0, max_map_len=16)
     if not isinstance(msg, dict) or not isinstance(msg.get("cmd"), str):
         raise ProtocolError("control payload must be a map with a string 'cmd'")
     schema = CONTROL_COMMANDS.get(msg["cmd"])

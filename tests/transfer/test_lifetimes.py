@@ -31,6 +31,7 @@ def test_write_after_peer_reallocates_same_address_lands(spawn_peer, impl, impl_
     """Issue 10 defect 1: free + allocate gives the same fd and address; no write is lost."""
     peer = spawn_peer("--nbytes", str(MiB), env=impl_env)
     with shm_engine() as e:
+        assert e._paths(e.open_segment(peer.segment), None)[0].name == "shm"  # a genuine peer
         src = e.allocate(MiB)
         for round_, byte in enumerate(b"AB"):
             src.view()[:] = bytes([byte]) * MiB

@@ -8,6 +8,8 @@ with the key in the ``key`` query parameter.
 - ``DELETE /metadata?key=K``: 200, or 404 when the key does not exist.
 - No ``key`` (or an invalid one): 400; any other method: 405; another path: 404.
 - A body over 16 MiB: 413; a malformed ``Content-Length``: 400; none at all: 411.
+- A PUT that would take the stored keys and values (and the bodies being received) over
+  the server's ``max_nbytes``: 507. A connection over ``max_connections``: 503, closed.
 
 One addition of ours, which the original server does not have (it answers 400 there):
 
@@ -23,6 +25,7 @@ import contextlib
 import http.client
 import logging
 import socket
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -51,7 +54,15 @@ LIST_CONTENT_TYPE = "application/msgpack"
 MAX_LIST_NBYTES = 64 * 1024 * 1024
 # A connection that sends nothing for this long is closed, so a stalled client
 # cannot hold a server thread forever.
-_CONNECTION_IDLE_TIMEOUT_S = 30.0
+DEFAULT_IDLE_TIMEOUT_S = 30.0
+DEFAULT_MAX_STORE_NBYTES = 1 << 30
+DEFAULT_MAX_CONNECTIONS = 512
+# What one key costs besides its key and value bytes (dict slot, str and bytes objects).
+ENTRY_OVERHEAD_NBYTES = 256
+_BUSY_BODY = b"too many connections; retry later"
+_BUSY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+               b"Content-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n"
+               b"Connection: close\r\n\r\n" + _BUSY_BODY)
 # How often serve_forever() looks at its shutdown flag.
 _POLL_INTERVAL_S = 0.05
 
@@ -176,27 +187,84 @@ def _read_bounded(response: http.client.HTTPResponse | urllib.error.HTTPError,
     return body
 
 
+def _cost(key: str, nbytes: int) -> int:
+    """What storing ``nbytes`` under ``key`` counts against ``max_nbytes``."""
+    return len(key.encode("utf-8")) + nbytes + ENTRY_OVERHEAD_NBYTES
+
+
 class _KVServer(ThreadingHTTPServer):
     """ThreadingHTTPServer holding the key-value map and its open connections.
 
-    Handler threads take ``kv_lock`` only around dict operations, and ``_conns_lock``
-    only around the connection set; the two are never held together.
+    Handler threads take ``kv_lock`` only around dict operations and the byte counts,
+    and ``_conns_lock`` only around the connection set; the two are never held together.
+    A PUT is admitted only while ``stored_nbytes + reserved_nbytes`` (entries kept, bodies
+    announced and being read) stays within ``max_nbytes``.
     """
 
     daemon_threads = True  # ...and still joined by server_close() (block_on_close)
 
-    def __init__(self, address: tuple[str, int], family: socket.AddressFamily) -> None:
+    def __init__(self, address: tuple[str, int], family: socket.AddressFamily,
+                 max_nbytes: int, max_connections: int, idle_timeout_s: float) -> None:
         self.address_family = family
         self.kv: dict[str, bytes] = {}
         self.kv_lock = threading.Lock()
+        self.max_nbytes = max_nbytes
+        self.stored_nbytes = 0
+        self.reserved_nbytes = 0
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         super().__init__(address, _Handler)
 
+    def reserve(self, key: str, nbytes: int) -> int | None:
+        """Reserve room to store ``nbytes`` under ``key`` (replacing its value frees room).
+
+        Returns the bytes reserved (give them to :meth:`commit` or :meth:`unreserve`), or
+        None when the store has no room.
+        """
+        with self.kv_lock:
+            old = self.kv.get(key)
+            need = max(0, _cost(key, nbytes) - (0 if old is None else _cost(key, len(old))))
+            if self.stored_nbytes + self.reserved_nbytes + need > self.max_nbytes:
+                return None
+            self.reserved_nbytes += need
+            return need
+
+    def commit(self, key: str, value: bytes, reserved: int) -> None:
+        """Store ``value``, turning the reservation into stored bytes."""
+        with self.kv_lock:
+            old = self.kv.get(key)
+            self.kv[key] = value
+            freed = 0 if old is None else _cost(key, len(old))
+            self.stored_nbytes += _cost(key, len(value)) - freed
+            self.reserved_nbytes -= reserved
+
+    def unreserve(self, reserved: int) -> None:
+        with self.kv_lock:
+            self.reserved_nbytes -= reserved
+
+    def remove(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+        with self.kv_lock:
+            old = self.kv.pop(key, None)
+            if old is not None:
+                self.stored_nbytes -= _cost(key, len(old))
+        return old is not None
+
     def process_request(self, request: socket.socket,  # type: ignore[override]
                         client_address: tuple[str, int]) -> None:
         with self._conns_lock:
-            self._conns.add(request)
+            full = len(self._conns) >= self.max_connections
+            if not full:
+                self._conns.add(request)
+        if full:
+            _log.warning("metadata server refused a connection from %s: %d connections are "
+                         "open (the limit)", client_address, self.max_connections)
+            with contextlib.suppress(OSError):  # best effort: never wait for a slow client here
+                request.send(_BUSY_REPLY, socket.MSG_DONTWAIT)
+            self.shutdown_request(request)
+            return
         super().process_request(request, client_address)
 
     def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
@@ -213,7 +281,9 @@ class _KVServer(ThreadingHTTPServer):
                 conn.shutdown(socket.SHUT_RDWR)
 
     def handle_error(self, request: object, client_address: object) -> None:
-        _log.debug("metadata server: error serving %s", client_address, exc_info=True)
+        # OSError: the client went away; anything else (no thread to serve it) is ours
+        level = logging.DEBUG if isinstance(sys.exc_info()[1], OSError) else logging.WARNING
+        _log.log(level, "metadata server: error serving %s", client_address, exc_info=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -223,8 +293,11 @@ class _Handler(BaseHTTPRequestHandler):
     # Malformed request lines get a real status line, not a bare HTTP/0.9 body.
     default_request_version = "HTTP/1.0"
     server_version = "mooncake-metadata"
-    timeout = _CONNECTION_IDLE_TIMEOUT_S
     server: _KVServer
+
+    def setup(self) -> None:
+        self.timeout = self.server.idle_timeout_s  # applied to the socket by super().setup()
+        super().setup()
 
     def do_GET(self) -> None:
         query = self._query()
@@ -248,21 +321,32 @@ class _Handler(BaseHTTPRequestHandler):
         key = None if query is None else self._key(query)
         if key is None:
             return
-        value = self._read_body()
-        if value is None:
+        nbytes = self._content_length()
+        if nbytes is None:
             return
-        with self.server.kv_lock:
-            self.server.kv[key] = value
-        self._reply(200, b"metadata updated")
+        reserved = self.server.reserve(key, nbytes)
+        if reserved is None:
+            self._refuse(507, f"the metadata server is full ({self.server.max_nbytes} bytes "
+                              "of keys and values); delete stale keys".encode())
+            return
+        stored = False
+        try:
+            value = self._read_body(nbytes)
+            if value is not None:
+                self.server.commit(key, value, reserved)
+                stored = True
+        finally:
+            if not stored:
+                self.server.unreserve(reserved)
+        if stored:
+            self._reply(200, b"metadata updated")
 
     def do_DELETE(self) -> None:
         query = self._query()
         key = None if query is None else self._key(query)
         if key is None:
             return
-        with self.server.kv_lock:
-            found = self.server.kv.pop(key, None) is not None
-        if found:
+        if self.server.remove(key):
             self._reply(200, b"metadata deleted")
         else:
             self._reply(404, b"metadata not found")
@@ -270,13 +354,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _list(self, prefixes: list[str]) -> None:
         """Answer ``GET ?prefix=P``: a msgpack array of [key, value] pairs, sorted."""
         if len(prefixes) != 1:
-            self._reply(400, b"give one prefix")
+            self._refuse(400, b"give one prefix")
             return
         prefix = prefixes[0]
         try:
             check_prefix(prefix)
         except InvalidArgument as exc:
-            self._reply(400, str(exc).encode())
+            self._refuse(400, str(exc).encode())
             return
         with self.server.kv_lock:  # values are immutable bytes: a snapshot of references
             items = [(k, v) for k, v in self.server.kv.items() if k.startswith(prefix)]
@@ -288,7 +372,7 @@ class _Handler(BaseHTTPRequestHandler):
             chunks.append(packer.pack(item))
             nbytes += len(chunks[-1])
             if nbytes > MAX_LIST_NBYTES:
-                self._reply(413, f"the listing of {prefix!r} is over {MAX_LIST_NBYTES} "
+                self._refuse(413, f"the listing of {prefix!r} is over {MAX_LIST_NBYTES} "
                                  "bytes; list a longer prefix".encode())
                 return
         self._reply(200, b"".join(chunks), content_type=LIST_CONTENT_TYPE)
@@ -301,21 +385,21 @@ class _Handler(BaseHTTPRequestHandler):
         raise AttributeError(name)
 
     def _method_not_allowed(self) -> None:
-        self._reply(405, b"method not allowed", extra_headers={"Allow": "GET, PUT, DELETE"})
+        self._refuse(405, b"method not allowed", extra_headers={"Allow": "GET, PUT, DELETE"})
 
     def _query(self) -> dict[str, list[str]] | None:
         """Check the route and parse the query string, or answer 4xx and return None."""
         parts = urlsplit(self.path)
         if parts.path != ROUTE:
-            self._reply(404, b"no such route; use " + ROUTE.encode())
+            self._refuse(404, b"no such route; use " + ROUTE.encode())
             return None
         try:
             query = parse_qs(parts.query, keep_blank_values=True, errors="strict")
         except UnicodeDecodeError:
-            self._reply(400, b"key is not valid UTF-8")
+            self._refuse(400, b"key is not valid UTF-8")
             return None
         if "key" in query and "prefix" in query:
-            self._reply(400, b"give either key or prefix, not both")
+            self._refuse(400, b"give either key or prefix, not both")
             return None
         return query
 
@@ -323,29 +407,33 @@ class _Handler(BaseHTTPRequestHandler):
         """Return the request's key, or answer 400 and return None."""
         keys = query.get("key")
         if not keys or not keys[0]:
-            self._reply(400, b"missing key")
+            self._refuse(400, b"missing key")
             return None
         try:
             check_key(keys[0])
         except InvalidArgument as exc:
-            self._reply(400, str(exc).encode())
+            self._refuse(400, str(exc).encode())
             return None
         return keys[0]
 
-    def _read_body(self) -> bytes | None:
-        """Read the PUT body, or answer 4xx (or drop a dead connection) and return None."""
+    def _content_length(self) -> int | None:
+        """The PUT body's declared length, or answer 4xx and return None."""
         headers = self.headers.get_all("Content-Length") or []
         if not headers or "Transfer-Encoding" in self.headers:
-            self._reply(411, b"Content-Length required (no Transfer-Encoding)")
+            self._refuse(411, b"Content-Length required (no Transfer-Encoding)")
             return None
         text = headers[0].strip()
         if len(headers) > 1 or not (text.isascii() and text.isdigit()):
-            self._reply(400, b"bad Content-Length")
+            self._refuse(400, b"bad Content-Length")
             return None
         nbytes = int(text)
         if nbytes > MAX_VALUE_NBYTES:
-            self._reply(413, f"value over {MAX_VALUE_NBYTES} bytes".encode())
+            self._refuse(413, f"value over {MAX_VALUE_NBYTES} bytes".encode())
             return None
+        return nbytes
+
+    def _read_body(self, nbytes: int) -> bytes | None:
+        """Read the PUT body, or drop a connection that ends before it and return None."""
         body = self.rfile.read(nbytes)
         if len(body) != nbytes:
             _log.debug("metadata server: %s closed after %d of %d body bytes",
@@ -353,6 +441,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return None
         return body
+
+    def _refuse(self, status: int, body: bytes,
+                extra_headers: dict[str, str] | None = None) -> None:
+        """Answer a request we reject with ``status``, and log it."""
+        _log.warning("metadata server refused %s %r from %s: %d %s", self.command,
+                     self.path[:200], self.address_string(), status,
+                     body[:200].decode("utf-8", "replace"))
+        self._reply(status, body, extra_headers=extra_headers)
 
     def _reply(self, status: int, body: bytes, *, content_type: str = "text/plain",
                extra_headers: dict[str, str] | None = None) -> None:
@@ -379,6 +475,10 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         _log.debug("metadata server: %s %s", self.address_string(), format % args)
 
+    def log_error(self, format: str, *args: object) -> None:
+        # unparsable requests (send_error) and idle connections timing out
+        _log.warning("metadata server: %s %s", self.address_string(), format % args)
+
 
 class MetadataServer:
     """The embedded HTTP metadata server, serving from a daemon thread.
@@ -392,12 +492,26 @@ class MetadataServer:
     thread and every connection thread have ended.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        """Args: host: address to listen on; port: TCP port, 0 picks a free one."""
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
+                 max_nbytes: int = DEFAULT_MAX_STORE_NBYTES,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+        """Args:
+            host: address to listen on; port: TCP port, 0 picks a free one.
+            max_nbytes: room for keys and values (each key also costs
+                ``ENTRY_OVERHEAD_NBYTES``); a PUT beyond it gets 507.
+            max_connections: connections served at once; more get 503 and are closed.
+            idle_timeout_s: a connection that sends nothing for this long is closed.
+        """
         if not 0 <= port <= 65535:
             raise InvalidArgument(f"metadata server port must be in 0..65535, got {port}")
+        if max_nbytes < 0 or max_connections < 1 or not idle_timeout_s > 0:
+            raise InvalidArgument(f"bad metadata server limits: max_nbytes={max_nbytes}, "
+                                  f"max_connections={max_connections}, "
+                                  f"idle_timeout_s={idle_timeout_s}")
         self.host = host
         self._port = port
+        self._limits = (max_nbytes, max_connections, idle_timeout_s)
         self._server: _KVServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -411,7 +525,7 @@ class MetadataServer:
             raise MetadataError(f"metadata server {self.url} is already running")
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         try:
-            server = _KVServer((self.host, self._port), family)
+            server = _KVServer((self.host, self._port), family, *self._limits)
         except OSError as exc:
             raise MetadataError(
                 f"metadata server cannot listen on {self.host}:{self._port} "
@@ -429,6 +543,15 @@ class MetadataServer:
     def port(self) -> int:
         """The bound TCP port once started (before that, the requested one)."""
         return self._port
+
+    @property
+    def used_nbytes(self) -> int:
+        """What counts against ``max_nbytes`` now: stored entries and bodies being received."""
+        server = self._server
+        if server is None:
+            return 0
+        with server.kv_lock:
+            return server.stored_nbytes + server.reserved_nbytes
 
     @property
     def url(self) -> str:

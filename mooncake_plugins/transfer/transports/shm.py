@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import socket
 import struct
 import threading
 from typing import TYPE_CHECKING, Any
 
 from ...config import PURE_PYTHON
-from ...errors import AddressError, TransferError
+from ...errors import AddressError, MooncakeError, TransferError
 from .. import memory
 from ..segment import RegionInfo, RegionTable
 from ..topology import host_id
@@ -121,6 +122,9 @@ class _Mapping:
         flags = os.O_RDWR if writable else os.O_RDONLY
         ofd = os.open(path, flags | os.O_CLOEXEC)
         try:
+            name = os.readlink(f"/proc/self/fd/{ofd}")
+            if not name.startswith(MEMFD_PREFIX):  # only an engine's own memfds, no other file
+                raise TransferError(f"fd {fd} of pid {pid} is {name!r}, not an engine's memfd")
             self.inode = os.fstat(ofd).st_ino
             self.map = mmap.mmap(ofd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                  mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
@@ -137,6 +141,56 @@ class _Mapping:
         if self._export is not None:
             self._export.release()
         self.map.close()
+
+
+MEMFD_PREFIX = "/memfd:mooncake-"
+"""What an engine's memfds (buffers and the epoch page) are called in /proc/<pid>/fd."""
+
+
+def _listener_inodes(host: str, port: int) -> set[int]:
+    """Inodes of the TCP sockets listening on ``host:port`` (or the wildcard) here."""
+    try:
+        want = {socket.inet_aton(host)[::-1].hex().upper(), "00000000"}
+    except OSError:
+        return set()
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    address, _, hexport = fields[1].partition(":")
+                    if fields[3] == "0A" and int(hexport, 16) == port and (
+                            address in want or address[-8:] in want or set(address) == {"0"}):
+                        inodes.add(int(fields[9]))
+        except OSError:
+            continue
+    return inodes
+
+
+def serves(pid: int, host: str, port: int) -> bool:
+    """Whether process ``pid`` of this host is the one listening on ``host:port``.
+
+    Descriptors come from the network (metadata, peers): before mapping a process's memory
+    on a descriptor's word, the shm transport checks that the pid it names owns the
+    socket the descriptor was fetched from, so a remote peer claiming this host's
+    identity cannot aim our copies at another local process.
+    """
+    inodes = _listener_inodes(host, port)
+    if not inodes:
+        return False
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and int(link[8:-1]) in inodes:
+                return True
+    except OSError:
+        pass
+    return False
 
 
 def _inode(pid: int, fd: int) -> int | None:
@@ -170,10 +224,35 @@ class ShmTransport(Transport):
         self._host_id = host_id()
         self._maps: dict[tuple[int, int], _Mapping] = {}
         self._epochs: dict[tuple[int, int], _Mapping] = {}
+        self._verified: dict[tuple[int, str, int], bool] = {}
         self._lock = threading.Lock()
 
     def supports(self, peer: "Peer") -> bool:
-        return peer.descriptor.host_id == self._host_id
+        """Same host, and the process the descriptor names really serves that segment.
+
+        The check runs once per (pid, host, port): the descriptor is fetched afresh from
+        the segment's own port, whose listening socket must belong to that pid. Later
+        refreshes come from the same port.
+        """
+        desc = peer.descriptor
+        if desc.host_id != self._host_id:
+            return False
+        key = (desc.pid, desc.host, desc.port)
+        with self._lock:
+            known = self._verified.get(key)
+        if known is None:
+            try:
+                fresh = peer.refresh()
+            except MooncakeError:
+                return False  # unreachable now: not cached, tried again next time
+            known = (fresh.pid, fresh.host, fresh.port) == key and (
+                fresh.pid == os.getpid() or serves(fresh.pid, fresh.host, fresh.port))
+            if not known:
+                log.warning("segment %r claims pid %d on this host, which does not serve "
+                            "%s:%d: shm disabled for it", desc.name, desc.pid, desc.host, desc.port)
+            with self._lock:
+                self._verified[key] = known
+        return known
 
     def _epoch_page(self, pid: int, fd: int) -> _Mapping:
         with self._lock:
@@ -298,6 +377,8 @@ class ShmTransport(Transport):
     def forget(self, peer: "Peer") -> None:
         pid = peer.descriptor.pid
         with self._lock:
+            for key in [k for k in self._verified if k[0] == pid]:
+                del self._verified[key]
             for key in [k for k in self._maps if k[0] == pid]:
                 self._retire(self._maps.pop(key))
             pages = [self._epochs.pop(k) for k in list(self._epochs) if k[0] == pid]

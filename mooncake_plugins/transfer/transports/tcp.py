@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
-import struct
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -22,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from ...config import PURE_PYTHON, spin_us
 from ...errors import AddressError, ProtocolError, TransferError, from_code
 from .. import memory, protocol
-from ..listener import ConnectionServer
+from ..listener import (DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ConnectionServer,
+                        idle_waiter, set_deadline)
 from ..segment import RegionTable
 from .base import OP_WRITE, Transport
 
@@ -142,15 +142,6 @@ def _pick() -> None:
 _pick()
 
 
-def _set_deadline(sock: socket.socket, timeout_s: float) -> None:
-    """Blocking socket whose syscalls give up after ``timeout_s`` (SO_RCVTIMEO/SO_SNDTIMEO)."""
-    sock.settimeout(None)
-    sec = int(timeout_s)
-    tv = struct.pack("ll", sec, int((timeout_s - sec) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -165,11 +156,16 @@ class TcpServer(ConnectionServer):
         host, port: where to listen (port 0 picks a free one; see ``.port``).
         regions: the local RegionTable every request is checked against.
         on_control: called with a validated control message, returns the reply bytes.
+        max_connections, frame_timeout_s: see :class:`ConnectionServer`; a WRITE that
+            stalls mid-payload lets go of its region after ``frame_timeout_s``.
     """
 
     def __init__(self, host: str, port: int, regions: RegionTable,
-                 on_control: Callable[[dict], bytes]) -> None:
-        super().__init__(host, port, "mc-tcp")
+                 on_control: Callable[[dict], bytes], *,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S) -> None:
+        super().__init__(host, port, "mc-tcp", max_connections=max_connections,
+                         frame_timeout_s=frame_timeout_s)
         self._regions = regions
         self._on_control = on_control
         self._spin_us = spin_us()
@@ -179,16 +175,19 @@ class TcpServer(ConnectionServer):
 
     def _setup(self, conn: socket.socket) -> None:
         _tune(conn)
+        set_deadline(conn, self.frame_timeout_s)
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         fd = conn.fileno()
+        wait_idle = idle_waiter(fd)
         last_nbytes = 0
         try:
             while True:
-                if self._spin_us and last_nbytes <= SPIN_MAX_NBYTES:
-                    # after a small frame the initiator's next one usually follows at once;
-                    # after a large one, spinning would only take the CPU from the copies
-                    io.spin_until_readable(fd, self._spin_us)
+                # after a small frame the initiator's next one usually follows at once;
+                # after a large one, spinning would only take the CPU from the copies
+                if not (self._spin_us and last_nbytes <= SPIN_MAX_NBYTES
+                        and io.spin_until_readable(fd, self._spin_us)):
+                    wait_idle()
                 req = protocol.decode_request(io.recv_exact(fd, protocol.REQUEST.size))
                 last_nbytes = req.nbytes
                 if req.op == protocol.OP_CONTROL:
@@ -206,6 +205,8 @@ class TcpServer(ConnectionServer):
                     continue
                 try:
                     if writing and region.readonly:
+                        log.warning("refused WRITE from %s: 0x%x is registered read-only", addr,
+                                    region.address)
                         io.discard(fd, req.nbytes)
                         status, body = AddressError.code, b"region is registered read-only"
                     elif writing:
@@ -222,7 +223,10 @@ class TcpServer(ConnectionServer):
                 self._reply(fd, req.req_id, status, body)  # after the release: see RegionTable.remove
         except ProtocolError as exc:
             log.error("closing connection from %s: malformed frame: %s", addr, exc)
-        except (ConnectionError, TimeoutError) as exc:
+        except TimeoutError:
+            log.warning("closing connection from %s: a frame made no progress for %.1f s",
+                        addr, self.frame_timeout_s)
+        except ConnectionError as exc:
             log.debug("connection from %s ended: %s", addr, exc)
         except OSError as exc:
             if not self.closed:
@@ -266,7 +270,7 @@ class _Pool:
                 self._cond.notify()
             raise TransferError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
         _tune(sock)
-        _set_deadline(sock, self._io_timeout_s)
+        set_deadline(sock, self._io_timeout_s)
         return sock
 
     def put(self, sock: socket.socket, healthy: bool) -> None:
