@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 METADATA_PREFIX = "mooncake/segments/"
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 P2P = "P2PHANDSHAKE"
+MAX_PENDING_NOTIFIES = 65536
+"""Notifications kept until ``take_notifies``; a peer sending more is refused (bounded memory)."""
 
 
 @dataclass(eq=False)
@@ -186,7 +188,7 @@ class TransferEngine:
             publish_local(self.rpc_port, None)
         if hasattr(self, "_pool"):
             self._pool.shutdown(wait=True)
-        for t in self._transports:
+        for t in {id(t): t for t in [*self._transports, getattr(self, "_tcp", None)] if t}.values():
             t.close()
         if hasattr(self, "_server"):
             self._server.close()
@@ -323,6 +325,9 @@ class TransferEngine:
             return msgpack.packb(self.descriptor().to_wire(), use_bin_type=True)
         if cmd == "notify":
             with self._lock:
+                if len(self._notifies) >= MAX_PENDING_NOTIFIES:
+                    raise TransferError(f"{len(self._notifies)} notifications are waiting to be "
+                                     f"taken (take_notifies); refusing more")
                 self._notifies.append((msg["name"], msg["msg"]))
             return b""
         return b"pong"
@@ -627,44 +632,48 @@ class TransferEngine:
         """Stop serving, unpublish, wait for running transfers and release all memory.
 
         Transfers still touching a region after ``wait_s`` (another thread's, or a peer's)
-        keep that region's memory: it is leaked with an error logged, never unmapped under
-        a copy.
+        keep that region's memory: it stays mapped, with an error logged, never unmapped
+        under a copy. Calling ``close`` again later releases what is free by then.
         """
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if self._metadata is not None:
-            try:
-                self._metadata.delete(METADATA_PREFIX + self.segment_name)
-            except MetadataError as exc:
-                log.warning("could not unpublish %s: %s", self.segment_name, exc)
-            self._metadata.close()
-        publish_local(self.rpc_port, None)
-        self._server.close()
-        self._pool.shutdown(wait=True)
-        for t in self._transports:
-            t.close()
+            first, self._closed = not self._closed, True
+        if first:
+            if self._metadata is not None:
+                try:
+                    self._metadata.delete(METADATA_PREFIX + self.segment_name)
+                except MetadataError as exc:
+                    log.warning("could not unpublish %s: %s", self.segment_name, exc)
+                self._metadata.close()
+            publish_local(self.rpc_port, None)
+            self._server.close()
+            self._pool.shutdown(wait=True)
+            for t in {id(t): t for t in [*self._transports, self._tcp]}.values():
+                t.close()  # tcp carries control messages even when it moves no data
+        if self._epoch.map.closed:
+            return  # everything was released before
         released = []
         for region in self._regions.regions():
             try:
                 released.append(self._regions.remove(region.address, wait_s))
             except RegionBusy as exc:
-                log.error("engine %s closing: %s; its memory is left mapped", self.segment_name, exc)
+                log.error("engine %s closing: %s; its memory is left mapped (close() again "
+                          "releases it once free)", self.segment_name, exc)
             except InvalidArgument:
                 pass  # freed by another thread meanwhile
         EPOCH.pack_into(self._epoch.map, 0, self._regions.epoch + 1)  # same-host peers re-check
         with self._lock:
-            managed = {id(buf.region): mf for buf, mf in self._managed.values()}
-            self._managed.clear()
+            gone = {id(r) for r in released}
+            managed = {id(buf.region): mf for buf, mf in self._managed.values()
+                       if id(buf.region) in gone}
+            self._managed = {a: e for a, e in self._managed.items() if id(e[0].region) not in gone}
         for region in released:
-            mf = managed.pop(id(region), None)
+            mf = managed.get(id(region))
             if mf is not None:
                 mf.close()
             elif hasattr(region.keepalive, "release"):
                 region.keepalive.release()
-        self._leaked = list(managed.values())  # still in use: mapped for as long as we live
-        self._epoch.close()
+        if not len(self._regions):
+            self._epoch.close()
 
     def __enter__(self) -> "TransferEngine":
         return self

@@ -213,3 +213,40 @@ def test_probe(pair):
     b.close()
     with pytest.raises(SegmentNotFound):
         a.probe(name)
+
+
+def test_notify_queue_is_bounded(pair, monkeypatch):
+    from mooncake_plugins.errors import TransferError
+    from mooncake_plugins.transfer import engine as engine_module
+    a, b = pair
+    monkeypatch.setattr(engine_module, "MAX_PENDING_NOTIFIES", 3)
+    for i in range(3):
+        a.notify(b.segment_name, f"n{i}", "m")
+    with pytest.raises(TransferError, match="waiting to be taken"):
+        a.notify(b.segment_name, "n3", "m")
+    assert [n for n, _ in b.take_notifies()] == ["n0", "n1", "n2"]
+    a.notify(b.segment_name, "n4", "m")  # the connection survived the refusal
+    assert b.take_notifies() == [("n4", "m")]
+
+
+def test_served_byte_counts_add_up_across_threads(pair):
+    """Many server threads count bytes at once: no update may be lost."""
+    import threading
+    a, b = pair
+    dst = b.allocate(1 << 20)
+    srcs = [TransferEngine(config=EngineConfig(transports=["tcp"])) for _ in range(4)]
+    try:
+        def run(e):
+            buf = e.allocate(4096)
+            for i in range(200):
+                e.write(b.segment_name, buf.address, dst.address + (i % 256) * 4096, 4096)
+                e.read(b.segment_name, buf.address, dst.address + (i % 256) * 4096, 4096)
+        threads = [threading.Thread(target=run, args=(e,)) for e in srcs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert b.stats == {"bytes_in": 4 * 200 * 4096, "bytes_out": 4 * 200 * 4096}
+    finally:
+        for e in srcs:
+            e.close()

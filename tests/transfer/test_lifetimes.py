@@ -233,6 +233,8 @@ def test_close_leaks_rather_than_unmaps_under_a_stuck_copy(impl, blocked_copy, c
         release.set()  # the copy now writes into memory that is still mapped: no crash
         t.join(10)
         assert out == [None]
+        b.close()  # again: now it is free, and released
+        assert not len(b._regions) and b._epoch.map.closed
     finally:
         a.close()
 

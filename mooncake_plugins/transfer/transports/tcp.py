@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ...config import PURE_PYTHON, spin_us
-from ...errors import AddressError, ProtocolError, TransferError, from_code
+from ...errors import AddressError, MooncakeError, ProtocolError, TransferError, from_code
 from .. import memory, protocol
 from ..listener import (DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ConnectionServer,
                         idle_waiter, set_deadline)
@@ -169,8 +169,9 @@ class TcpServer(ConnectionServer):
         self._regions = regions
         self._on_control = on_control
         self._spin_us = spin_us()
-        self.bytes_in = 0
-        self.bytes_out = 0
+        self.bytes_in = 0   # written to us by peers; updated under _count_lock
+        self.bytes_out = 0  # read from us by peers
+        self._count_lock = threading.Lock()
         self.start()
 
     def _setup(self, conn: socket.socket) -> None:
@@ -192,7 +193,12 @@ class TcpServer(ConnectionServer):
                 last_nbytes = req.nbytes
                 if req.op == protocol.OP_CONTROL:
                     msg = protocol.decode_control(io.recv_exact(fd, req.aux_len))
-                    self._reply(fd, req.req_id, 0, self._on_control(msg))
+                    try:
+                        reply = self._on_control(msg)
+                    except MooncakeError as exc:  # refused (e.g. a full notify queue)
+                        self._reply(fd, req.req_id, exc.code, str(exc).encode())
+                        continue
+                    self._reply(fd, req.req_id, 0, reply)
                     continue
                 writing = req.op == protocol.OP_WRITE
                 try:
@@ -211,12 +217,14 @@ class TcpServer(ConnectionServer):
                         status, body = AddressError.code, b"region is registered read-only"
                     elif writing:
                         io.recv_into_address(fd, req.address, req.nbytes)
-                        self.bytes_in += req.nbytes
+                        with self._count_lock:
+                            self.bytes_in += req.nbytes
                         status, body = 0, b""
                     else:
                         io.send_frame(fd, protocol.encode_response(0, req.req_id, req.nbytes),
                                       req.address, req.nbytes)
-                        self.bytes_out += req.nbytes
+                        with self._count_lock:
+                            self.bytes_out += req.nbytes
                         continue
                 finally:
                     self._regions.release(region)
