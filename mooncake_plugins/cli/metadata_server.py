@@ -15,6 +15,8 @@ from types import FrameType
 
 from mooncake_plugins.errors import InvalidArgument, MetadataError
 from mooncake_plugins.transfer.metadata import MetadataServer
+from mooncake_plugins.transfer.metadata.http import (DEFAULT_MAX_CONNECTIONS,
+                                                     DEFAULT_MAX_STORE_NBYTES)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -26,6 +28,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8080,
                         help="TCP port, 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_STORE_NBYTES,
+                        help="room for keys and values; writes past it get 507 "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help="connections served at once; more get 503 (default: %(default)s)")
     parser.add_argument("--log-level", default="WARNING",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging level on stderr (default: %(default)s)")
@@ -44,8 +51,12 @@ def main(argv: list[str] | None = None) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _on_signal)
+    if args.max_bytes <= 0 or args.max_connections <= 0:
+        print("error: --max-bytes and --max-connections must be positive", file=sys.stderr)
+        return 2
     try:
-        server = MetadataServer(args.host, args.port).start()
+        server = MetadataServer(args.host, args.port, max_nbytes=args.max_bytes,
+                                max_connections=args.max_connections).start()
     except (InvalidArgument, MetadataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

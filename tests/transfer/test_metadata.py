@@ -769,3 +769,22 @@ def test_cli_reports_a_busy_port(dead_port: int) -> None:
     assert result.returncode == 1
     assert "cannot listen" in result.stderr
     assert "READY" not in result.stdout
+
+
+def test_cli_limits_the_room_for_values(key: str) -> None:
+    proc, port = spawn_ready([*_CLI, "--port", "0", "--max-bytes", "4096"], timeout_s=30,
+                             env=_child_env())
+    try:
+        with _open(f"http://127.0.0.1:{port}/metadata") as store:
+            store.put(key, b"x" * 1000)
+            with pytest.raises(MetadataError):
+                store.put(key + "-big", b"x" * 8192)
+            assert store.get(key) == b"x" * 1000
+    finally:
+        terminate_group(proc)
+
+
+def test_cli_rejects_bad_limits() -> None:
+    result = subprocess.run([*_CLI, "--port", "0", "--max-connections", "0"], capture_output=True,
+                            text=True, timeout=60, env=_child_env())
+    assert result.returncode == 2 and "must be positive" in result.stderr
