@@ -8,11 +8,14 @@ when ``MOONCAKE_CI=1``.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -197,3 +200,41 @@ def impl(request: pytest.FixtureRequest) -> Iterator[str]:
 def impl_env(impl: str) -> dict[str, str]:
     """Environment variables that select ``impl`` in a child process."""
     return {"MOONCAKE_PUREPYTHON": "1" if impl == "python" else "0"}
+
+
+def _resources() -> Counter[str]:
+    """What a test may not leave behind: our memfds, sockets, /dev/shm files, our threads."""
+    held: Counter[str] = Counter()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("/memfd:mooncake-"):
+            held[link.split(" ")[0]] += 1
+        elif link.startswith("socket:"):
+            held["socket"] += 1
+    for name in os.listdir("/dev/shm"):
+        held[f"/dev/shm/{name}"] += 1
+    for t in threading.enumerate():
+        if t.name.startswith("mc-"):
+            held[f"thread {t.name.rstrip('0123456789_-')}"] += 1
+    return held
+
+
+@pytest.fixture(autouse=True)
+def _resources_balanced(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test gives back the memfds, sockets, /dev/shm files and threads it took.
+
+    Longer-lived fixtures (module, session) are set up before and torn down after this
+    check, so what they hold is in both counts.
+    """
+    before = _resources()
+
+    def leaked() -> Counter[str]:
+        gc.collect()
+        return _resources() - before
+
+    yield
+    if not wait_until(lambda: not leaked(), 5.0, interval_s=0.1):
+        pytest.fail(f"{request.node.nodeid} leaked: {dict(leaked())}", pytrace=False)

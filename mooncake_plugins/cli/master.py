@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+from ..errors import InvalidParams
 from ..store.master import MasterConfig
 from ..store.server import MasterServer, ServerOptions
 
@@ -44,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("client_ttl", type=float, default=10.0, help="seconds without heartbeat before a client is dropped")
     flag("put_start_discard_timeout_sec", type=float, default=30.0)
     flag("stripe_size", type=int, default=16 << 20, help="objects above this are striped over segments")
-    flag("enable_offload", **b, help="accept SSD-tier replicas reported by clients")
+    flag("enable_offload", **b, help="keep SSD-tier replicas reported by clients (needs --root_fs_dir)")
+    flag("root_fs_dir", default="", help="directory the SSD tier's files live under (the clients' "
+         "ssd_offload_path); the master deletes nothing outside it")
     flag("enable_ha", **b)
     flag("etcd_endpoints", default="", help="etcd for HA, e.g. 127.0.0.1:2379;host2:2379")
     flag("cluster_id", default="mooncake")
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.enable_ha and not args.etcd_endpoints:
         print("--enable_ha needs --etcd_endpoints", file=sys.stderr)
         return 2
+    if args.enable_offload and not args.root_fs_dir:
+        print("--enable_offload needs --root_fs_dir (the directory of the SSD tier's files)",
+              file=sys.stderr)
+        return 2
     rpc_port = args.rpc_port if args.rpc_port is not None else (args.port if args.port is not None else 50051)
     config = MasterConfig(
         allocation_strategy=args.allocation_strategy,
@@ -92,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         default_kv_soft_pin_ttl_ms=args.default_kv_soft_pin_ttl,
         allow_evict_soft_pinned_objects=args.allow_evict_soft_pinned_objects,
         client_ttl_s=args.client_ttl, put_start_discard_timeout_s=args.put_start_discard_timeout_sec,
-        stripe_nbytes=args.stripe_size, enable_offload=args.enable_offload)
+        stripe_nbytes=args.stripe_size, enable_offload=args.enable_offload,
+        root_fs_dir=args.root_fs_dir)
+    try:
+        config.validate()
+    except InvalidParams as exc:
+        print(f"bad configuration: {exc}", file=sys.stderr)
+        return 2
     options = ServerOptions(
         host=args.rpc_address, rpc_port=rpc_port,
         metrics_port=args.metrics_port if args.enable_metric_reporting else 0,

@@ -34,7 +34,8 @@ Semantics chosen:
   nodes registering the same new name at the same moment both succeed; the later record wins.
 
 Thread model: public methods may be called from any thread and block on metadata and
-transfer I/O. Lock order: ``P2PStore._lock`` is a leaf (held only around ``_held``).
+transfer I/O. Lock order: ``P2PStore._lock`` is a leaf (held only around ``_held`` and
+``_last_chosen``).
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ class P2PStore:
         self.segment = self.engine.segment_name
         self._lock = threading.Lock()
         self._held: dict[str, _Holding | None] = {}  # None: an operation on it is running
-        self._last_chosen: dict[str, float] = {}
+        self._last_chosen: dict[str, float] = {}  # holder segment -> last read from; _lock
         self._closed = False
         log.info("P2P store on segment %s, metadata %s", self.segment, metadata_url)
 
@@ -480,14 +481,18 @@ class P2PStore:
                     f"{report.failed or 'none'}; listed: {[h.segment for h in info.holders]})")
             tier = [h for h in live if h.segment != info.provider] or live
             random.shuffle(tier)
-            tier.sort(key=lambda h: self._last_chosen.get(h.segment, 0.0))
+            with self._lock:
+                last = {h.segment: self._last_chosen.get(h.segment, 0.0) for h in tier}
+            tier.sort(key=lambda h: last[h.segment])
             plan: dict[HolderInfo, list[_Chunk]] = {}
             for j, chunk in enumerate(pending):
                 plan.setdefault(tier[j % len(tier)], []).append(chunk)
+            now = time.monotonic()
+            with self._lock:
+                self._last_chosen.update((holder.segment, now) for holder in plan)
             pending = []
             running = []
             for holder, chunks in plan.items():
-                self._last_chosen[holder.segment] = time.monotonic()
                 reqs = [TransferRequest(OpCode.READ, parts[c.part][0] + c.offset,
                                         holder.addresses[c.part] + c.offset, c.nbytes)
                         for c in chunks]

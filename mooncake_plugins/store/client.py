@@ -4,7 +4,8 @@ Bytes go straight between this process and the segments holding the replicas, th
 the transfer engine (shared memory for same-host segments, tcp otherwise); the master
 only answers where. Thread-safe: calls may come from many threads; a background thread
 sends heartbeats, and re-registers (remounting the segment) when the master forgot us
-or, with HA, when a new leader took over.
+or, with HA, when a new leader took over. One thread at a time does that failover, with
+no lock held while it waits; the other threads whose calls failed share its outcome.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..config import EngineConfig
-from ..errors import (BufferTooSmall, ClientNotFound, SegmentAlreadyExists, InvalidParams, LeaseExpired, MooncakeError,
-                      NotSupported, RpcFailed, StoreError, StoreTransferFailed,
-                      store_error)
+from ..errors import (BufferTooSmall, ClientNotFound, InvalidArgument, InvalidParams, LeaseExpired,
+                      MooncakeError, NotSupported, RpcFailed, SegmentAlreadyExists, StoreError,
+                      StoreTransferFailed, store_error)
 from ..transfer import OpCode, TransferEngine, memory
 from ..transfer.topology import host_id
 from . import offload
@@ -69,6 +70,14 @@ def _pair(local: Sequence[tuple[int, int]], shards: Sequence[Sequence]) -> list[
     return runs
 
 
+@dataclass(eq=False)
+class _Failover:
+    """One failover in progress: the threads whose calls failed meanwhile wait on ``done``."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    error: MooncakeError | None = None
+
+
 def _split(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -86,7 +95,11 @@ class StoreClient:
             ``engine`` is given). protocol "tcp" still uses shared memory for same-host peers.
         global_segment_size: bytes this client contributes to the pool (0: none).
         enable_ssd_offload, ssd_offload_path: also keep every object written here in a file
-            (the SSD tier; the master must run with ``--enable_offload``).
+            under ``ssd_offload_path`` (the SSD tier; the master must run with
+            ``--enable_offload`` and ``--root_fs_dir`` naming the same directory, or a mount
+            of the same shared filesystem). Disk replicas are read under
+            ``ssd_offload_path`` too, or, without one, under the master's ``root_fs_dir``.
+        failover_timeout_s: how long a call waits for a new leader (HA) before failing.
 
     Raises:
         RpcFailed (master unreachable), InvalidParams.
@@ -97,7 +110,7 @@ class StoreClient:
                  protocol: str = "tcp", engine: TransferEngine | None = None,
                  enable_ssd_offload: bool = False, ssd_offload_path: str = "",
                  cluster_id: str = "mooncake", rpc_timeout_s: float = 10.0,
-                 transfer_timeout_s: float = 30.0) -> None:
+                 transfer_timeout_s: float = 30.0, failover_timeout_s: float = 30.0) -> None:
         if protocol not in ("tcp", "shm"):
             raise NotSupported(f"protocol {protocol!r} is not available here (tcp, shm)")
         if global_segment_size < 0:
@@ -108,6 +121,7 @@ class StoreClient:
         self._host_id = host_id()
         self._rpc_timeout_s = rpc_timeout_s
         self._transfer_timeout_s = transfer_timeout_s
+        self._failover_timeout_s = failover_timeout_s
         self._ha: tuple[str, str] | None = None
         if master_address.startswith("etcd://"):
             from .ha import current_leader, wait_for_leader
@@ -117,20 +131,28 @@ class StoreClient:
             master_address = leader
         self._rpc = RpcClient(*_split(master_address), timeout_s=rpc_timeout_s)
         self._rpc_lock = threading.Lock()
+        self._failover_run: _Failover | None = None   # guarded by _rpc_lock
         self._owns_engine = engine is None
-        if engine is None:
-            cfg = EngineConfig.from_env()
-            cfg.transfer_timeout_s = transfer_timeout_s
-            engine = TransferEngine(local_hostname, metadata_server, config=cfg)
-        self.engine = engine
-        self._segment = engine.allocate(global_segment_size) if global_segment_size else None
         self._offload_dir = ssd_offload_path if enable_ssd_offload else None
+        self._ssd_path = ssd_offload_path
+        self._master_root = ""
         self._offloader = ThreadPoolExecutor(1, thread_name_prefix="mc-offload") \
             if self._offload_dir else None
         self._local_segments: dict[str, bool] = {}
         self._closed = False
         self._stop = threading.Event()
-        info = self._register(self._rpc)
+        self._segment = None
+        try:
+            if engine is None:
+                cfg = EngineConfig.from_env()
+                cfg.transfer_timeout_s = transfer_timeout_s
+                engine = TransferEngine(local_hostname, metadata_server, config=cfg)
+            self.engine = engine
+            self._segment = engine.allocate(global_segment_size) if global_segment_size else None
+            info = self._register(self._rpc)
+        except BaseException:
+            self._release(engine)
+            raise
         self._lease_ttl_s = info["lease_ttl_ms"] / 1000
         if self._offload_dir and not info["enable_offload"]:
             log.warning("master has offload disabled: objects are not written to %s", self._offload_dir)
@@ -152,6 +174,7 @@ class StoreClient:
     def _register(self, rpc: RpcClient) -> dict:
         """Register with ``rpc``'s master and mount our segment there (idempotent)."""
         info = rpc.call("register_client", client_id=self.client_id, host_id=self._host_id)
+        self._master_root = info.get("root_fs_dir", "")
         if self._segment is not None:
             try:
                 rpc.call("mount_segment", client_id=self.client_id, segment=self.segment_name,
@@ -163,24 +186,53 @@ class StoreClient:
     def _failover(self, failed: RpcClient, unreachable: bool) -> None:
         """Register again: with the same master when it forgot us, else (HA) with the new leader.
 
-        The new connection is published only once registration succeeded, so other
-        threads never call a master that does not know us yet.
+        The first thread to find ``failed`` broken does it, without holding ``_rpc_lock``
+        while it waits; others wait for its outcome (its error too). The new connection is
+        published only once registration succeeded, so other threads never call a master
+        that does not know us yet. ``close()`` ends the wait within about half a second.
         """
         with self._rpc_lock:
             if self._rpc is not failed:
                 return  # another thread moved to a new master already
+            run = self._failover_run
+            mine = run is None
+            if mine:
+                run = self._failover_run = _Failover()
+        if not mine:
+            run.done.wait()
+            if run.error is not None:  # a fresh exception: each thread gets its own traceback
+                raise type(run.error)(str(run.error)) from run.error
+            return
+        try:
             rpc = failed
             if unreachable and self._ha is not None:
                 from .ha import wait_for_leader
 
-                leader = wait_for_leader(*self._ha, timeout_s=max(30.0, self._rpc_timeout_s),
-                                         exclude=failed.address)
+                leader = wait_for_leader(*self._ha, timeout_s=self._failover_timeout_s,
+                                         exclude=failed.address, stop=self._stop)
                 log.warning("store master moved: %s -> %s", failed.address, leader)
                 rpc = RpcClient(*_split(leader), timeout_s=self._rpc_timeout_s)
-            self._register(rpc)
+            try:
+                self._register(rpc)
+            except BaseException:
+                if rpc is not failed:
+                    rpc.close()
+                raise
+            with self._rpc_lock:
+                if rpc is not failed:
+                    self._rpc = rpc
+                closed = self._closed
             if rpc is not failed:
-                self._rpc = rpc
                 failed.close()
+                if closed:  # close() ran meanwhile and closed the connection it saw
+                    rpc.close()
+        except MooncakeError as exc:
+            run.error = exc
+            raise
+        finally:
+            with self._rpc_lock:
+                self._failover_run = None
+            run.done.set()
 
     def _call(self, method: str, **args: Any) -> Any:
         """RPC with one retry after re-registering (expired client) or a leader change."""
@@ -253,20 +305,40 @@ class StoreClient:
         """Put many objects in one master round trip each way; per-key errors (None = ok)."""
         if len(keys) != len(values):
             raise InvalidParams("keys and values differ in length")
-        regions = []
+        regions: list[Any] = []
         try:
-            ranges = []
-            for v in values:
-                if memoryview(v).nbytes == 0:
-                    ranges.append((0, 0))  # the master refuses it for this key only
-                    continue
-                regions.append(self.engine.register(v, private=True))
-                ranges.append((regions[-1].address, regions[-1].nbytes))
+            ranges = [self._stage(v, regions) for v in values]
             return self.batch_put_from(keys, [a for a, _ in ranges], [n for _, n in ranges],
                                        config, upsert)
         finally:
             for r in regions:
                 self.engine.unregister(r)
+
+    def _stage(self, value: Any, regions: list[Any]) -> tuple[int, int]:
+        """``(address, nbytes)`` of ``value`` in a private region of this call (``regions``).
+
+        A value inside a region this call registered already (the same buffer under
+        several keys) reuses it; one overlapping other registered memory (a user-registered
+        buffer, a slice of a value staged before) is copied first.
+        """
+        try:
+            address, nbytes = memory.address_of(value)
+        except BufferError as exc:
+            raise InvalidArgument(f"cannot put {type(value).__name__}: {exc}") from None
+        if nbytes == 0:
+            return 0, 0  # the master refuses it for this key only
+        for r in regions:
+            if r.address <= address and address + nbytes <= r.address + r.nbytes:
+                return address, nbytes
+        try:
+            regions.append(self.engine.register(value, private=True))
+        except InvalidArgument as exc:  # it overlaps registered memory: stage a copy
+            try:
+                copy = bytes(memoryview(value).cast("B"))
+            except (TypeError, ValueError):
+                raise exc from None
+            regions.append(self.engine.register(copy, private=True))
+        return regions[-1].address, regions[-1].nbytes
 
     def batch_put_from(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int],
                        config: ReplicateConfig | None = None,
@@ -337,7 +409,7 @@ class StoreClient:
         def write() -> None:
             try:
                 offload.write_file(path, memoryview(data))
-                code, msg = self._call("add_disk_replica", keys=[key], paths=[path])[0]
+                code, msg = self._call("add_disk_replica", keys=[key])[0]
                 if code:
                     log.warning("offload of %r not recorded: %s", key, msg)
             except (OSError, MooncakeError) as exc:
@@ -465,13 +537,26 @@ class StoreClient:
                     for k, o in zip(keys, out)]
         return out
 
-    def _read_disk(self, key: str, path: str, local: list[tuple[int, int]],
+    def _disk_path(self, name: str) -> str:
+        """Where this client reads the disk replica ``name`` the master reported
+        (ValueError for a malformed name or when no directory is known)."""
+        root = self._ssd_path or self._master_root
+        if not root:
+            raise ValueError("no ssd_offload_path here and the master reports no root_fs_dir")
+        return offload.resolve(root, name)
+
+    def _read_disk(self, key: str, name: str, local: list[tuple[int, int]],
                    nbytes: int) -> int | StoreError:
+        path = name
         try:
-            if len(local) == 1:
-                return offload.read_file_into(path, self.engine.local_view(local[0][0], nbytes))
-            data = bytearray(nbytes)
-            offload.read_file_into(path, memoryview(data))
+            path = self._disk_path(name)
+            single = len(local) == 1
+            data = self.engine.local_view(local[0][0], nbytes) if single else bytearray(nbytes)
+            size = offload.read_file_into(path, memoryview(data))
+            if size != nbytes:  # never hand out the rest of the buffer as object bytes
+                raise ValueError(f"the file holds {size} bytes, the object {nbytes}")
+            if single:
+                return nbytes
             off = 0
             for address, n in local:
                 take = min(n, nbytes - off)
@@ -485,12 +570,22 @@ class StoreClient:
     def replicas(self, keys: Sequence[str]) -> list[tuple[int, list, str | None] | StoreError]:
         """Where each object lives: ``(nbytes, memory replicas, disk path)`` or an error.
 
-        A memory replica is a list of ``(segment, address, nbytes)`` shards. Like a read,
-        this takes a read lease on each object.
+        A memory replica is a list of ``(segment, address, nbytes)`` shards; the disk path
+        is where this client reads the SSD-tier file (None: none, or no directory known).
+        Like a read, this takes a read lease on each object.
         """
         replies = self._call("get_replicas", keys=list(keys)) if keys else []
-        return [store_error(code, info) if code else (info[0], info[1], info[2])
-                for code, info in replies]
+        return [store_error(code, info) if code
+                else (info[0], info[1], self._disk_path_or_none(info[2])) for code, info in replies]
+
+    def _disk_path_or_none(self, name: str | None) -> str | None:
+        if name is None:
+            return None
+        try:
+            return self._disk_path(name)
+        except ValueError as exc:
+            log.warning("ignoring the disk replica %r: %s", name, exc)
+            return None
 
 
     def exists(self, key: str) -> bool:
@@ -539,17 +634,26 @@ class StoreClient:
         self._stop.set()
         self._heartbeat.join(5)
         if self._offloader is not None:
-            self._offloader.shutdown(wait=True)
+            self._offloader.shutdown(wait=True)  # its last writes still report to the master
         if self._segment is not None:
             try:
                 self._rpc.call("unmount_segment", client_id=self.client_id, segment=self.segment_name)
             except MooncakeError as exc:
                 log.warning("unmount of %s failed: %s", self.segment_name, exc)
+        self._release(self.engine)
+
+    def _release(self, engine: TransferEngine | None) -> None:
+        """Close the master connection and the offloader; close ``engine`` if it is ours,
+        else give back our segment."""
+        if self._offloader is not None:
+            self._offloader.shutdown(wait=True)
         self._rpc.close()
+        if engine is None:
+            return
         if self._owns_engine:
-            self.engine.close()
+            engine.close()
         elif self._segment is not None:
-            self.engine.free(self._segment)
+            engine.free(self._segment)
 
     def __enter__(self) -> "StoreClient":
         return self

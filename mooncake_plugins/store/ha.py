@@ -165,11 +165,13 @@ def _detail(exc: BaseException) -> str:
 # Cluster access with endpoint failover
 # --------------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(eq=False)
 class _Endpoint:
+    host: str
+    port: int
     name: str
-    client: etcd3gw.Etcd3Client
-    watch_session: requests.Session
+    api_path: str | None = None     # etcd's API prefix, discovered by the first call
+    idle: list[etcd3gw.Etcd3Client] = field(default_factory=list)   # pooled HTTP clients
 
 
 @dataclass
@@ -185,34 +187,56 @@ class _EtcdCluster:
     """Calls to one etcd cluster through any of its client endpoints.
 
     A call starts at the endpoint that answered last and tries the others in list order while
-    they are down. Unary calls are serialized by ``_lock`` (``requests.Session`` is not
-    documented as thread-safe) and block for at most their timeout per endpoint. Watch slices
-    use a second session per endpoint outside ``_lock``; one thread at a time may watch.
+    they are down, blocking for at most its timeout per endpoint. Each call borrows an HTTP
+    client of its own from the endpoint's pool (``requests.Session`` is not documented as
+    thread-safe); ``_lock`` guards only the pools, the current endpoint and ``_closed`` and is
+    never held during network I/O, so a slow or failing call on one thread never delays
+    another's (the leader's lease refresh above all). Any number of threads may call.
     """
 
     def __init__(self, endpoints: list[tuple[str, int]]) -> None:
-        self._endpoints: list[_Endpoint] = []
-        for host, port in endpoints:
-            session = requests.Session()
-            session.trust_env = False  # etcd is reached directly, never through a proxy
-            watch_session = requests.Session()
-            watch_session.trust_env = False
-            client = etcd3gw.Etcd3Client(host=host, port=port, timeout=_REQUEST_TIMEOUT_S,
-                                         session=session)
-            self._endpoints.append(_Endpoint(client.base_url, client, watch_session))
+        self._endpoints = [_Endpoint(host, port, f"http://[{host}]:{port}" if ":" in host
+                                     else f"http://{host}:{port}") for host, port in endpoints]
         self.names = ";".join(ep.name for ep in self._endpoints)
         self._current = 0
         self._lock = threading.Lock()
         self._closed = False
 
-    def _order(self) -> list[int]:
-        return [self._current] + [i for i in range(len(self._endpoints)) if i != self._current]
+    def _order(self, op: str) -> list[int]:
+        with self._lock:
+            if self._closed:
+                raise MetadataError(f"etcd client for {self.names} is closed ({op})")
+            return [self._current] + [i for i in range(len(self._endpoints)) if i != self._current]
 
-    def _use(self, index: int) -> None:
-        if index != self._current:
-            logger.info("etcd: switched from %s to %s", self._endpoints[self._current].name,
-                        self._endpoints[index].name)
-            self._current = index
+    def _use(self, endpoint: _Endpoint) -> None:
+        with self._lock:
+            index = self._endpoints.index(endpoint)
+            if index != self._current:
+                logger.info("etcd: switched from %s to %s", self._endpoints[self._current].name,
+                            endpoint.name)
+                self._current = index
+
+    def _borrow(self, endpoint: _Endpoint, timeout_s: float) -> etcd3gw.Etcd3Client:
+        """An HTTP client for ``endpoint`` that only the calling thread uses until returned."""
+        with self._lock:
+            client = endpoint.idle.pop() if endpoint.idle else None
+            api_path = endpoint.api_path
+        if client is None:
+            session = requests.Session()
+            session.trust_env = False  # etcd is reached directly, never through a proxy
+            client = etcd3gw.Etcd3Client(host=endpoint.host, port=endpoint.port,
+                                         timeout=timeout_s, session=session, api_path=api_path)
+        client.timeout = timeout_s
+        return client
+
+    def _give_back(self, endpoint: _Endpoint, client: etcd3gw.Etcd3Client, healthy: bool) -> None:
+        """Pool ``client`` again after a call that reached etcd; close it otherwise."""
+        with self._lock:
+            if healthy and not self._closed:
+                endpoint.api_path = endpoint.api_path or client.api_path  # known after a call
+                endpoint.idle.append(client)
+                return
+        client.session.close()
 
     def _unreachable(self, op: str, errors: list[str]) -> MetadataError:
         return MetadataError(f"etcd unreachable during {op}: {'; '.join(errors)}; check that "
@@ -226,24 +250,26 @@ class _EtcdCluster:
             MetadataError: every endpoint is down, or etcd refused the request.
         """
         errors: list[str] = []
-        with self._lock:
-            if self._closed:
-                raise MetadataError(f"etcd client for {self.names} is closed ({op})")
-            for index in self._order():
-                endpoint = self._endpoints[index]
-                endpoint.client.timeout = timeout_s
-                try:
-                    result = endpoint.client.post(endpoint.client.get_url(path), json=payload)
-                except _FAILOVER_ERRORS as exc:
-                    errors.append(f"{endpoint.name}: {_detail(exc)}")
-                    continue
-                except (Etcd3Exception, requests.RequestException, ValueError) as exc:
-                    raise MetadataError(f"etcd {endpoint.name}: {op} failed: {_detail(exc)}") \
-                        from exc
-                self._use(index)
-                if not isinstance(result, dict):
-                    raise MetadataError(f"etcd {endpoint.name}: {op}: unexpected reply {result!r}")
-                return result
+        for index in self._order(op):
+            endpoint = self._endpoints[index]
+            client = self._borrow(endpoint, timeout_s)
+            healthy = False
+            try:
+                result = client.post(client.get_url(path), json=payload)
+                healthy = True
+            except _FAILOVER_ERRORS as exc:
+                errors.append(f"{endpoint.name}: {_detail(exc)}")
+                continue
+            except (Etcd3Exception, requests.RequestException, ValueError) as exc:
+                healthy = isinstance(exc, Etcd3Exception)  # etcd answered: the session is fine
+                raise MetadataError(f"etcd {endpoint.name}: {op} failed: {_detail(exc)}") \
+                    from exc
+            finally:
+                self._give_back(endpoint, client, healthy)
+            self._use(endpoint)
+            if not isinstance(result, dict):
+                raise MetadataError(f"etcd {endpoint.name}: {op}: unexpected reply {result!r}")
+            return result
         raise self._unreachable(op, errors)
 
     def read_key(self, key: bytes, op: str, timeout_s: float = _REQUEST_TIMEOUT_S) -> _KeyState:
@@ -274,40 +300,40 @@ class _EtcdCluster:
         """
         payload = {"create_request": {"key": _b64(key), "start_revision": start_revision}}
         errors: list[str] = []
-        with self._lock:
-            if self._closed:
-                raise MetadataError(f"etcd client for {self.names} is closed (watch)")
-            order = self._order()
-        for index in order:
+        for index in self._order("watch"):
             endpoint = self._endpoints[index]
+            client = self._borrow(endpoint, _CONNECT_TIMEOUT_S)
             try:
-                with self._lock:
-                    endpoint.client.timeout = _CONNECT_TIMEOUT_S
-                    url = endpoint.client.get_url("/watch")
-                response = endpoint.watch_session.post(
-                    url, json=payload, stream=True,
+                response = client.session.post(
+                    client.get_url("/watch"), json=payload, stream=True,
                     timeout=(_CONNECT_TIMEOUT_S, max(quiet_s, 0.01)))
             except (Etcd3Exception, requests.RequestException) as exc:
                 errors.append(f"{endpoint.name}: {_detail(exc)}")
+                self._give_back(endpoint, client, False)
                 continue
-            with response:
-                if response.status_code != 200:
-                    errors.append(f"{endpoint.name}: HTTP {response.status_code}")
-                    continue
-                with self._lock:
-                    self._use(index)
-                return _read_watch_stream(response)
+            try:
+                with response:  # closing it drops a connection left mid-stream
+                    if response.status_code != 200:
+                        errors.append(f"{endpoint.name}: HTTP {response.status_code}")
+                        continue
+                    self._use(endpoint)
+                    return _read_watch_stream(response)
+            finally:
+                self._give_back(endpoint, client, True)
         raise self._unreachable("watch", errors)
 
     def close(self) -> None:
-        """Close every session; later calls raise MetadataError. Idempotent, any thread."""
+        """Close the pooled sessions (borrowed ones close when returned); later calls raise
+        MetadataError. Idempotent, any thread, never waits for a call in flight."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for endpoint in self._endpoints:
-                endpoint.client.session.close()
-                endpoint.watch_session.close()
+            idle = [c for ep in self._endpoints for c in ep.idle]
+            for ep in self._endpoints:
+                ep.idle.clear()
+        for client in idle:
+            client.session.close()
 
 
 def _read_watch_stream(response: requests.Response) -> bool:
@@ -351,8 +377,9 @@ class LeaderElection:
     Thread use: :meth:`campaign` is called by the master's main thread (concurrent calls are
     serialized); :meth:`resign`, :meth:`close`, :meth:`on_lost` and :attr:`is_leader` from any
     thread. While leader, a daemon thread refreshes the lease and runs the ``on_lost``
-    callbacks. Lock order: ``_campaign_lock`` -> ``_lock`` -> the etcd client's lock; no lock is
-    held while callbacks run or while a thread is joined.
+    callbacks. Lock order: ``_campaign_lock`` -> ``_lock`` -> the etcd client's lock; only
+    ``_campaign_lock`` is held during etcd I/O (the keepalive thread never takes it), and no
+    lock is held while callbacks run or while a thread is joined.
     """
 
     def __init__(self, etcd_endpoints: str, cluster_id: str, candidate_address: str,
@@ -641,15 +668,16 @@ def current_leader(etcd_endpoints: str, cluster_id: str) -> str | None:
 
 
 def wait_for_leader(etcd_endpoints: str, cluster_id: str, timeout_s: float,
-                    exclude: str | None = None) -> str:
+                    exclude: str | None = None, stop: threading.Event | None = None) -> str:
     """Block until a leader other than ``exclude`` is published, and return its address.
 
     A client that lost its master passes the old address as ``exclude`` so it does not get the
     stale key back before the old lease expires. Watches the key, so a new leader is seen at once.
+    Setting ``stop`` ends the wait within about half a second (as the deadline would).
 
     Raises:
         InvalidArgument: bad endpoints, cluster_id or timeout.
-        LeaderWaitTimeout: no such leader within ``timeout_s``.
+        LeaderWaitTimeout: no such leader within ``timeout_s``, or ``stop`` was set.
         MetadataError: no endpoint answered.
     """
     key = leader_key(cluster_id).encode("utf-8")
@@ -667,6 +695,8 @@ def wait_for_leader(etcd_endpoints: str, cluster_id: str, timeout_s: float,
                 if address != exclude:
                     return address
             remaining = deadline - time.monotonic()
+            if stop is not None and stop.is_set():
+                raise LeaderWaitTimeout(f"stopped waiting for a leader of cluster {cluster_id!r}")
             if remaining <= 0:
                 seen = "none" if state.value is None else repr(state.value.decode("utf-8",
                                                                                    "replace"))

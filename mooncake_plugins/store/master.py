@@ -9,13 +9,16 @@ never finishes (``put_start_discard_timeout_s``) frees them. ``get`` grants a re
 leased objects are neither evicted nor removed (unless forced), and space freed while a
 lease runs is only reused after it ends.
 
-Lock order: ``MasterService._lock`` only (allocators and LRU live under it).
+Lock order: ``MasterService._lock`` only (allocators and LRU live under it). No file is
+touched under it: disk replicas to delete are queued (:meth:`MasterService.take_disk_drops`)
+and the server deletes them after the call returned.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import re
 import threading
@@ -29,6 +32,7 @@ from ..errors import (ClientNotFound, InvalidKey, InvalidParams, NoAvailableSpac
                       SegmentAlreadyExists, StoreError, StoreSegmentNotFound,
                       store_error)
 from .allocation import STRATEGIES, MountedSegment, order_segments
+from .offload import relative_name
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ class MasterConfig:
     put_start_discard_timeout_s: float = 30.0
     stripe_nbytes: int = 16 << 20
     enable_offload: bool = False
+    root_fs_dir: str = ""
+    """Directory the SSD tier's files live under (needed by ``enable_offload``)."""
 
     def validate(self) -> None:
         if self.allocation_strategy not in STRATEGIES:
@@ -63,6 +69,11 @@ class MasterConfig:
             raise InvalidParams("lease and client TTLs must be > 0")
         if self.stripe_nbytes < 4096:
             raise InvalidParams("stripe_nbytes must be >= 4096")
+        if self.enable_offload and not self.root_fs_dir:
+            raise InvalidParams("enable_offload needs root_fs_dir: the directory the SSD tier's "
+                                "files live under (the clients' ssd_offload_path)")
+        if self.root_fs_dir and not os.path.isdir(self.root_fs_dir):
+            raise InvalidParams(f"root_fs_dir {self.root_fs_dir!r} is not a directory")
 
 
 @dataclass
@@ -85,11 +96,11 @@ class ObjectMeta:
     started: float = 0.0
     lease_until: float = 0.0
     soft_pin_until: float = 0.0
-    disk_path: str | None = None
+    disk_name: str | None = None    # under root_fs_dir, derived from the key by the master
 
     @property
     def complete(self) -> bool:
-        return bool(self.replicas) or self.disk_path is not None
+        return bool(self.replicas) or self.disk_name is not None
 
 
 @dataclass(eq=False)
@@ -112,16 +123,15 @@ class MasterService:
     Args:
         config: tunables.
         clock: monotonic seconds (injectable for tests).
-        on_disk_drop: called with a disk replica's path once nothing refers to it.
     """
 
-    def __init__(self, config: MasterConfig | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_disk_drop: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: MasterConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or MasterConfig()
         self.config.validate()
         self._clock = clock
-        self._on_disk_drop = on_disk_drop or (lambda path: None)
         self._lock = threading.Lock()
+        self._disk_drops: list[str] = []    # disk replica names nothing refers to any more
         self._objects: OrderedDict[str, ObjectMeta] = OrderedDict()   # LRU order, oldest first
         self._segments: dict[str, MountedSegment] = {}
         self._clients: dict[str, ClientInfo] = {}
@@ -170,30 +180,33 @@ class MasterService:
         log.info("unmounted segment %s of client %s", name, client_id)
 
     def _drop_segments(self, names: set[str]) -> None:
-        """Forget segments and every replica on them (memory is gone with its owner)."""
+        """Forget segments and every replica with a shard on them (memory is gone with its
+        owner). Their shards on other segments are freed, after the read lease if any."""
         for name in names:
             seg = self._segments.pop(name, None)
             if seg is not None:
                 c = self._clients.get(seg.client_id)
                 if c:
                     c.segments.discard(name)
-        self._deferred = [(t, r) for t, r in self._deferred if not any(s[0] in names for s in r)]
+        deferred = [(t, [s for s in r if s[0] not in names]) for t, r in self._deferred]
+        self._deferred = [(t, r) for t, r in deferred if r]
         for key in list(self._objects):
             meta = self._objects[key]
-            meta.replicas = [r for r in meta.replicas if not self._on(r, names, free_rest=True)]
+            lost = [r for r in meta.replicas if self._on(r, names)]
+            if lost:
+                meta.replicas = [r for r in meta.replicas if not self._on(r, names)]
+                rest = [[s for s in r if s[0] not in names] for r in lost]
+                self._free_after_lease(meta, [r for r in rest if r])
             if meta.pending is not None and any(self._on(r, names) for r in meta.pending):
-                for r in meta.pending:
-                    self._on(r, names, free_rest=True)
+                self._free([s for r in meta.pending for s in r if s[0] not in names])
                 meta.pending = None
             if not meta.complete and meta.pending is None:
                 del self._objects[key]
 
-    def _on(self, replica: MemoryReplica, names: set[str], free_rest: bool = False) -> bool:
-        """Whether ``replica`` touches a dropped segment; optionally free its surviving shards."""
-        hit = any(s[0] in names for s in replica)
-        if hit and free_rest:
-            self._free([s for s in replica if s[0] not in names])
-        return hit
+    @staticmethod
+    def _on(replica: MemoryReplica, names: set[str]) -> bool:
+        """Whether ``replica`` has a shard on one of the segments ``names``."""
+        return any(s[0] in names for s in replica)
 
     # -- allocation -------------------------------------------------------------------
     def _free(self, replica: MemoryReplica) -> None:
@@ -281,7 +294,7 @@ class MasterService:
                     self._free(r)
                 meta.replicas = []
                 self.counters["evicted"] += 1
-                if meta.disk_path is not None:
+                if meta.disk_name is not None:
                     self.counters["offloaded_evictions"] += 1  # still readable from disk
                 else:
                     del self._objects[key]
@@ -338,9 +351,7 @@ class MasterService:
             old = meta.replicas
             meta.replicas, meta.pending = meta.pending, None
             meta.nbytes = meta.pending_nbytes
-            if meta.disk_path is not None:
-                self._on_disk_drop(meta.disk_path)
-                meta.disk_path = None
+            self._drop_disk(meta)
             self._free_after_lease(meta, old)
             self._objects.move_to_end(key)
             self.counters["puts"] += 1
@@ -359,24 +370,42 @@ class MasterService:
         if not meta.complete:
             del self._objects[key]
 
-    def add_disk_replica(self, key: str, path: str) -> None:
-        """Record an SSD-tier copy of a complete object (it survives eviction from memory)."""
+    def add_disk_replica(self, key: str) -> None:
+        """Record that ``key``'s SSD-tier file (:func:`offload.relative_name` under
+        ``root_fs_dir``) was written: the object survives eviction from memory.
+
+        Raises:
+            InvalidParams (offload disabled), InvalidKey, ObjectNotFound.
+        """
         if not self.config.enable_offload:
             raise InvalidParams("the master was started without --enable_offload")
+        check_key(key)
         with self._lock:
             meta = self._objects.get(key)
             if meta is None or not meta.complete:
                 raise ObjectNotFound(f"{key!r} is not a complete object")
-            if meta.disk_path is not None and meta.disk_path != path:
-                self._on_disk_drop(meta.disk_path)
-            meta.disk_path = path
+            meta.disk_name = relative_name(key)
+
+    def _drop_disk(self, meta: ObjectMeta) -> None:
+        if meta.disk_name is not None:
+            self._disk_drops.append(meta.disk_name)
+            meta.disk_name = None
+
+    def take_disk_drops(self) -> list[str]:
+        """Disk replica names no object refers to any more (each returned once): the caller
+        deletes their files under ``root_fs_dir``, outside this service's lock."""
+        if not self._disk_drops:  # the common case, without the lock
+            return []
+        with self._lock:
+            drops, self._disk_drops = self._disk_drops, []
+        return drops
 
     # -- reads --------------------------------------------------------------------------
     def get(self, key: str) -> tuple[int, list[MemoryReplica], str | None, float]:
         """Replicas of a complete object and a read lease.
 
         Returns:
-            (nbytes, memory replicas, disk path or None, lease ttl in seconds).
+            (nbytes, memory replicas, disk replica name or None, lease ttl in seconds).
         Raises:
             InvalidKey, ObjectNotFound, ReplicaNotReady.
         """
@@ -406,7 +435,7 @@ class MasterService:
                 if meta.lease_until < until:
                     meta.lease_until = until
                 self._objects.move_to_end(key)
-                out.append([0, [meta.nbytes, meta.replicas, meta.disk_path, ttl]])
+                out.append([0, [meta.nbytes, meta.replicas, meta.disk_name, ttl]])
             self.counters["gets"] += len(keys)
         return out
 
@@ -433,8 +462,7 @@ class MasterService:
             for r in meta.pending:
                 self._free(r)
         self._free_after_lease(meta, meta.replicas)
-        if meta.disk_path is not None:
-            self._on_disk_drop(meta.disk_path)
+        self._drop_disk(meta)
         del self._objects[key]
         self.counters["removes"] += 1
 

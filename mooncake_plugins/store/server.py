@@ -3,21 +3,28 @@
 ``MasterServer.start()`` blocks only while campaigning for leadership (HA mode); then the
 RPC port serves until ``close()``. A leader that loses its etcd lease stops answering
 (every call fails with NotSupported "not the leader") so clients move to the new one.
+
+Files: the only ones the master deletes are SSD-tier replicas it named itself under
+``root_fs_dir`` (:func:`offload.delete_under`), after the call that dropped them released
+the service's lock and before its reply is sent.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import InvalidParams, MooncakeError, NotSupported
+from . import offload
 from .master import MasterConfig, MasterService, PutConfig
 from .rpc import ListOf, RpcServer
 
 log = logging.getLogger(__name__)
+
+_GATE_WAIT_S = 5.0
+"""How long a call that reached a candidate waits for it to become the leader."""
 
 PUT_CONFIG = {"replica_num": int, "preferred_segments": ListOf(str), "with_soft_pin": bool,
               "upsert": bool}
@@ -55,23 +62,35 @@ class MasterServer:
     def __init__(self, config: MasterConfig, options: ServerOptions) -> None:
         self.config = config
         self.options = options
-        self.service = MasterService(config, on_disk_drop=self._unlink)
+        self.service = MasterService(config)
         self._rpc: RpcServer | None = None
         self._metadata = None
         self._metrics = None
         self._election = None
         self._stop = threading.Event()
         self.lost_leadership = threading.Event()
+        self._leading = threading.Event()   # set once serving (after winning, with HA)
         self._reaper = threading.Thread(target=self._reap_loop, name="mc-master-reaper", daemon=True)
 
-    @staticmethod
-    def _unlink(path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("could not delete offloaded file %s: %s", path, exc)
+    def _delete_dropped(self) -> None:
+        """Delete the SSD-tier files the service let go of (outside its lock)."""
+        for name in self.service.take_disk_drops():
+            try:
+                offload.delete_under(self.config.root_fs_dir, name)
+            except ValueError as exc:
+                log.error("not deleting disk replica %s: %s", name, exc)
+            except OSError as exc:
+                log.warning("could not delete disk replica %s under %s: %s", name,
+                            self.config.root_fs_dir, exc)
+
+    def _deleting(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, then the deletion of the disk replicas it dropped."""
+        def call(**args: Any) -> Any:
+            try:
+                return fn(**args)
+            finally:
+                self._delete_dropped()
+        return call
 
     @property
     def port(self) -> int:
@@ -83,7 +102,11 @@ class MasterServer:
         return f"{self.options.host}:{self.port}"
 
     def start(self, stop: threading.Event | None = None) -> bool:
-        """Start serving (after winning the election in HA mode). False if stopped first."""
+        """Listen, win the election (HA mode), then answer calls. False if stopped first.
+
+        In HA mode the RPC port listens while campaigning; calls wait (up to 5 s) until this
+        master leads, so clients that read its address in etcd the moment it won are served.
+        """
         opts = self.options
         if opts.http_metadata_port is not None:
             from ..transfer.metadata import MetadataServer
@@ -95,19 +118,22 @@ class MasterServer:
             from .metrics import serve_metrics
 
             self._metrics = serve_metrics(self.service, opts.host, opts.metrics_port)
+        if opts.enable_ha and opts.rpc_port == 0:
+            raise NotSupported("HA mode needs a fixed --rpc_port to advertise")
+        # Listening before the election is won: clients that read the new leader's address
+        # in etcd connect at once, and their calls wait in _gate until we lead.
+        self._rpc = RpcServer(opts.host, opts.rpc_port, self._handlers(), gate=self._gate)
         if opts.enable_ha:
             from .ha import LeaderElection
 
-            if opts.rpc_port == 0:
-                raise NotSupported("HA mode needs a fixed --rpc_port to advertise")
             self._election = LeaderElection(opts.etcd_endpoints, opts.cluster_id,
                                             f"{opts.host}:{opts.rpc_port}")
+            self._election.on_lost(self._on_lost)
             log.info("campaigning for leadership of cluster %s", opts.cluster_id)
             if not self._election.campaign(stop=stop):
                 return False
-            self._election.on_lost(self._on_lost)
             log.info("elected leader of cluster %s", opts.cluster_id)
-        self._rpc = RpcServer(opts.host, opts.rpc_port, self._handlers(), gate=self._gate)
+        self._leading.set()
         self._reaper.start()
         log.info("master serving on %s:%d", opts.host, self._rpc.port)
         return True
@@ -118,6 +144,8 @@ class MasterServer:
         self.lost_leadership.set()
 
     def _gate(self) -> None:
+        if not self._leading.wait(_GATE_WAIT_S):
+            raise NotSupported("this master is a candidate, not the leader")
         if self.lost_leadership.is_set():
             raise NotSupported("this master is not the leader any more")
 
@@ -135,7 +163,8 @@ class MasterServer:
         def register_client(client_id: str, host_id: str) -> dict:
             s.register_client(client_id, host_id)
             return {"lease_ttl_ms": cfg.default_kv_lease_ttl_ms, "client_ttl_s": cfg.client_ttl_s,
-                    "enable_offload": cfg.enable_offload}
+                    "enable_offload": cfg.enable_offload,
+                    "root_fs_dir": cfg.root_fs_dir if cfg.enable_offload else ""}
 
         def put_start(client_id: str, keys: list, sizes: list, config: dict) -> list:
             if len(keys) != len(sizes):
@@ -144,12 +173,6 @@ class MasterServer:
             pc = PutConfig(**config)
             it = iter(sizes)
             return _each(keys, lambda k: s.put_start(client_id, k, next(it), pc))
-
-        def add_disk_replica(keys: list, paths: list) -> list:
-            if len(keys) != len(paths):
-                raise InvalidParams("keys and paths differ in length")
-            it = iter(paths)
-            return _each(keys, lambda k: s.add_disk_replica(k, next(it)))
 
         cid, keys = {"client_id": str}, {"keys": ListOf(str)}
         return {
@@ -161,17 +184,17 @@ class MasterServer:
             "unmount_segment": ({**cid, "segment": str},
                                 lambda client_id, segment: s.unmount_segment(client_id, segment)),
             "put_start": ({**cid, **keys, "sizes": ListOf(int), "config": PUT_CONFIG}, put_start),
-            "put_end": ({**cid, **keys},
-                        lambda client_id, keys: _each(keys, lambda k: s.put_end(client_id, k))),
+            "put_end": ({**cid, **keys}, self._deleting(
+                lambda client_id, keys: _each(keys, lambda k: s.put_end(client_id, k)))),
             "put_revoke": ({**cid, **keys},
                            lambda client_id, keys: _each(keys, lambda k: s.put_revoke(client_id, k))),
             "get_replicas": (keys, s.get_many),
             "exist": (keys, lambda keys: [int(s.exist(k)) for k in keys]),
-            "remove": ({**keys, "force": bool},
-                       lambda keys, force: _each(keys, lambda k: s.remove(k, force))),
-            "remove_by_regex": ({"pattern": str, "force": bool}, s.remove_by_regex),
-            "remove_all": ({"force": bool}, s.remove_all),
-            "add_disk_replica": ({**keys, "paths": ListOf(str)}, add_disk_replica),
+            "remove": ({**keys, "force": bool}, self._deleting(
+                lambda keys, force: _each(keys, lambda k: s.remove(k, force)))),
+            "remove_by_regex": ({"pattern": str, "force": bool}, self._deleting(s.remove_by_regex)),
+            "remove_all": ({"force": bool}, self._deleting(s.remove_all)),
+            "add_disk_replica": (keys, lambda keys: _each(keys, s.add_disk_replica)),
             "stats": ({}, s.stats),
         }
 

@@ -125,8 +125,8 @@ def test_bad_inputs(pair):
 
 
 def test_ssd_tier_keeps_evicted_objects_readable(tmp_path):
-    server = MasterServer(MasterConfig(enable_offload=True, eviction_ratio=0.3),
-                          ServerOptions(rpc_port=0))
+    server = MasterServer(MasterConfig(enable_offload=True, root_fs_dir=str(tmp_path),
+                                       eviction_ratio=0.3), ServerOptions(rpc_port=0))
     server.start()
     try:
         with StoreClient(server.address, global_segment_size=4 << 20, enable_ssd_offload=True,

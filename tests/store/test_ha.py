@@ -430,3 +430,35 @@ def test_etcd_death_demotes_the_leader_and_fails_the_campaign(
     assert isinstance(result, MetadataError) and "unreachable" in str(result), result
     with pytest.raises(MetadataError, match="unreachable"):
         b.campaign(timeout_s=30)
+
+
+@pytest.mark.etcd
+def test_a_stalled_etcd_call_does_not_delay_the_lease_refresh(
+        etcd: str, cluster: str, elections: list[LeaderElection]) -> None:
+    a = LeaderElection(etcd, cluster, "A", ttl_s=TTL_S)
+    elections.append(a)
+    lost = threading.Event()
+    a.on_lost(lost.set)
+    assert a.campaign(timeout_s=10)
+    # A unary POST of a watch gets no reply body until its read timeout: a call that hangs
+    # on a live etcd, as a slow endpoint's would.
+    stall_s = 3 * TTL_S
+    took: list[float] = []
+
+    def stalled_call() -> None:
+        started = time.monotonic()
+        with pytest.raises(MetadataError):
+            a._cluster.call("stalled", "/watch",
+                            {"create_request": {"key": "c3RhbGw="}}, timeout_s=stall_s)
+        took.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=stalled_call)
+    thread.start()
+    try:
+        while thread.is_alive():
+            assert a.is_leader, "the lease refresh waited for another thread's etcd call"
+            time.sleep(0.02)
+    finally:
+        thread.join(stall_s + 10)
+    assert took and took[0] >= stall_s * 0.9, took  # the call really stalled that long
+    assert a.is_leader and not lost.is_set()

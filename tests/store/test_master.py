@@ -155,6 +155,27 @@ def test_dead_client_drops_its_replicas_others_survive(clock):
     assert m.stats()["expired_clients"] == 1
 
 
+def test_dead_segment_frees_the_other_shards_of_its_replicas(clock):
+    """Found by the model test: shards on living segments leaked when a segment died."""
+    m = service(clock, nsegs=2, seg_nbytes=MiB, stripe_nbytes=4096, client_ttl_s=10,
+                default_kv_lease_ttl_ms=60_000)
+    put(m, "removed", 8192)                  # both striped over seg0 and seg1
+    put(m, "read", 8192)
+    m.get("removed")
+    m.get("read")                            # leases for 60 s
+    m.remove("removed", force=True)          # its space waits for the lease
+    clock.t += 5
+    m.heartbeat("c0")
+    clock.t += 6
+    m.reap()                                 # c1 silent for 11 s: seg1 goes, both objects too
+    assert not m.exist("read") and m.stats()["segments"] == 1
+    assert m.stats()["used_bytes"] == 8192   # the seg0 shards wait for the readers' leases
+    clock.t += 50
+    m.heartbeat("c0")
+    m.reap()
+    assert m.stats()["used_bytes"] == 0
+
+
 def test_abandoned_put_is_discarded(clock):
     m = service(clock, nsegs=1, put_start_discard_timeout_s=30, client_ttl_s=100)
     m.put_start("c0", "k", 1000, PutConfig())

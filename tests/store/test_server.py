@@ -114,6 +114,13 @@ def test_cli_rejects_bad_flags():
     res = subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.master",
                           "--allocation_strategy", "best"], capture_output=True, text=True, timeout=30)
     assert res.returncode == 2
+    res = subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.master", "--enable_offload"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "--root_fs_dir" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.master", "--enable_offload",
+                          "--root_fs_dir", "/nonexistent/mooncake"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "not a directory" in res.stderr
 
 
 @pytest.mark.etcd
