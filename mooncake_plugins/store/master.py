@@ -161,7 +161,8 @@ class MasterService:
         return c
 
     def mount_segment(self, client_id: str, name: str, base: int, nbytes: int) -> None:
-        if not isinstance(name, str) or not name or base < 0 or nbytes < 4096:
+        if not isinstance(name, str) or not name or base < 0 or nbytes < 4096 \
+                or base + nbytes > 1 << 64:
             raise InvalidParams(f"bad segment {name!r} base={base} nbytes={nbytes}")
         with self._lock:
             client = self._client(client_id)
@@ -320,7 +321,7 @@ class MasterService:
             if meta is not None:
                 if meta.pending is not None:
                     if now - meta.started < self.config.put_start_discard_timeout_s:
-                        raise ObjectAlreadyExists(f"{key!r} is being written by {meta.writer}")
+                        raise ObjectAlreadyExists(f"{key!r} is being written by another put")
                     self._discard_pending(key, meta)
                     meta = self._objects.get(key)
                 if meta is not None and meta.complete and not cfg.upsert:

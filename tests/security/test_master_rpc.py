@@ -213,8 +213,6 @@ def test_an_unregistered_client_cannot_put_or_mount(master: MasterServer) -> Non
         rpc.close()
 
 
-@pytest.mark.xfail(strict=True, reason="store/master.py put_start's ObjectAlreadyExists names "
-                                       "the writer's client_id, the only credential a client has")
 def test_a_put_conflict_does_not_disclose_the_writers_client_id(victim: RpcClient,
                                                                 attacker: RpcClient) -> None:
     [[code, message]] = attacker.call("put_start", client_id="attacker-id", keys=["k"],
@@ -223,8 +221,6 @@ def test_a_put_conflict_does_not_disclose_the_writers_client_id(victim: RpcClien
     assert "victim-id" not in message
 
 
-@pytest.mark.xfail(strict=True, reason="store/master.py mount_segment accepts base + nbytes "
-                                       "beyond 2**64: replicas there cannot be encoded")
 def test_a_segment_beyond_the_address_space_is_refused(attacker: RpcClient) -> None:
     with pytest.raises(InvalidParams):
         attacker.call("mount_segment", client_id="attacker-id", segment="s",
