@@ -151,7 +151,9 @@ class TransferEngine:
         try:
             self._start(metadata_server, bind_host, host, port, local_hostname, segment_name)
         except BaseException:
-            self._stop_partial()
+            self._stop_serving(unpublish=False)
+            if hasattr(self, "_epoch"):
+                self._epoch.close()
             raise
         self._closed = False
         log.info("engine %s serving on %s:%d (transports %s, %s data path)", self.segment_name,
@@ -182,20 +184,24 @@ class TransferEngine:
         publish_local(self.rpc_port, self._regions)
         self._publish()
 
-    def _stop_partial(self) -> None:
-        """Undo what a failed ``_start`` got to (nothing was registered yet)."""
+    def _stop_serving(self, unpublish: bool) -> None:
+        """Stop the server, workers and transports, as far as ``_start`` got (and, when
+        ``unpublish``, delete our descriptor: a failed start published none to delete)."""
+        if self._metadata is not None:
+            if unpublish:
+                try:
+                    self._metadata.delete(METADATA_PREFIX + self.segment_name)
+                except MetadataError as exc:
+                    log.warning("could not unpublish %s: %s", self.segment_name, exc)
+            self._metadata.close()
         if hasattr(self, "rpc_port"):
             publish_local(self.rpc_port, None)
+        if hasattr(self, "_server"):
+            self._server.close()
         if hasattr(self, "_pool"):
             self._pool.shutdown(wait=True)
         for t in {id(t): t for t in [*self._transports, getattr(self, "_tcp", None)] if t}.values():
-            t.close()
-        if hasattr(self, "_server"):
-            self._server.close()
-        if hasattr(self, "_epoch"):
-            self._epoch.close()
-        if self._metadata is not None:
-            self._metadata.close()
+            t.close()  # tcp carries control messages even when it moves no data
 
     # -- registration ----------------------------------------------------------------
     def register(self, buffer: Any, location: str = "*", private: bool = False) -> Region:
@@ -638,17 +644,7 @@ class TransferEngine:
         with self._lock:
             first, self._closed = not self._closed, True
         if first:
-            if self._metadata is not None:
-                try:
-                    self._metadata.delete(METADATA_PREFIX + self.segment_name)
-                except MetadataError as exc:
-                    log.warning("could not unpublish %s: %s", self.segment_name, exc)
-                self._metadata.close()
-            publish_local(self.rpc_port, None)
-            self._server.close()
-            self._pool.shutdown(wait=True)
-            for t in {id(t): t for t in [*self._transports, self._tcp]}.values():
-                t.close()  # tcp carries control messages even when it moves no data
+            self._stop_serving(unpublish=True)
         if self._epoch.map.closed:
             return  # everything was released before
         released = []

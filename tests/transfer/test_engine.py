@@ -253,3 +253,17 @@ def test_served_byte_counts_add_up_across_threads(pair):
     finally:
         for e in srcs:
             e.close()
+
+
+def test_a_request_partly_out_of_bounds_moves_no_byte(pair):
+    """Refused whole: its first slices, in bounds, must not be written (found by the model test)."""
+    a, b = pair
+    dst = b.allocate(200 << 10)
+    src = a.allocate(200 << 10)
+    fill(src.view(), 3)
+    with pytest.raises(AddressError):  # slices of 64 KiB: the first three are in bounds
+        a.write(b.segment_name, src.address, dst.address + 1, 200 << 10)
+    assert bytes(dst.view()) == bytes(200 << 10)
+    with pytest.raises(AddressError):
+        a.read(b.segment_name, src.address, dst.address + 1, 200 << 10)
+    assert bytes(src.view()) == random.Random(3).randbytes(200 << 10)

@@ -155,22 +155,6 @@ def test_peers_learn_of_unregister_and_free_before_memory_goes(impl):
         assert seen == [2, 4]  # register 1, unregister 2, allocate 3, free 4: each already out
 
 
-@pytest.fixture
-def blocked_copy(monkeypatch):
-    """Make the next shm memcpy wait for ``release.set()``; ``started`` is set once it waits."""
-    started, release = threading.Event(), threading.Event()
-    real = memory.copy_many
-
-    def copy_many(copies):
-        started.set()
-        assert release.wait(30)
-        real(copies)
-
-    monkeypatch.setattr(memory, "copy_many", copy_many)
-    yield started, release
-    release.set()
-
-
 def _in_thread(fn, *args) -> tuple[threading.Thread, list]:
     out: list = []
 
@@ -185,73 +169,92 @@ def _in_thread(fn, *args) -> tuple[threading.Thread, list]:
     return t, out
 
 
-def test_same_process_shm_copy_holds_the_target_region(impl, blocked_copy):
-    started, release = blocked_copy
+class StuckWrite:
+    """A write from ``a`` into a fresh buffer of ``b`` whose memcpy waits for ``finish()``."""
+
+    def __init__(self, started: threading.Event, release: threading.Event) -> None:
+        self._started, self._release = started, release
+
+    def start(self, a: TransferEngine, b: TransferEngine, nbytes: int, byte: bytes = b"q"):
+        """Start it; returns the target buffer once the copy is in flight."""
+        src, self.dst = a.allocate(nbytes), b.allocate(nbytes)
+        src.view()[:] = byte * nbytes
+        self._thread, self._out = _in_thread(a.write, b.segment_name, src.address,
+                                             self.dst.address, nbytes)
+        assert self._started.wait(10)
+        return self.dst
+
+    def finish(self) -> None:
+        """Let the copy go on; it must then succeed."""
+        self._release.set()
+        self._thread.join(10)
+        assert self._out == [None]
+
+
+@pytest.fixture
+def stuck_write(monkeypatch):
+    """Make the next shm memcpy wait, so a test can act while a write is in flight."""
+    started, release = threading.Event(), threading.Event()
+    real = memory.copy_many
+
+    def copy_many(copies):
+        started.set()
+        assert release.wait(30)
+        real(copies)
+
+    monkeypatch.setattr(memory, "copy_many", copy_many)
+    yield StuckWrite(started, release)
+    release.set()
+
+
+def test_same_process_shm_copy_holds_the_target_region(impl, stuck_write):
     with shm_engine() as a, shm_engine() as b:
-        src, dst = a.allocate(4096), b.allocate(4096)
-        src.view()[:] = b"q" * 4096
-        t, out = _in_thread(a.write, b.segment_name, src.address, dst.address, 4096)
-        assert started.wait(10)
+        dst = stuck_write.start(a, b, 4096)
         with pytest.raises(RegionBusy):
             b.free(dst, wait_s=0.05)  # the copy into it is in flight
-        release.set()
-        t.join(10)
-        assert out == [None]
+        stuck_write.finish()
         assert bytes(dst.view()) == b"q" * 4096
         b.free(dst)
 
 
-def test_close_waits_for_in_flight_copies(impl, blocked_copy):
-    started, release = blocked_copy
+def test_close_waits_for_in_flight_copies(impl, stuck_write):
     a, b = shm_engine(), shm_engine()
     try:
-        src, dst = a.allocate(MiB), b.allocate(MiB)
-        t, out = _in_thread(a.write, b.segment_name, src.address, dst.address, MiB)
-        assert started.wait(10)
+        stuck_write.start(a, b, MiB)
         closer, closed = _in_thread(b.close)
         closer.join(0.3)
         assert closer.is_alive()  # close waits for the copy into its memory
-        release.set()
-        t.join(10)
+        stuck_write.finish()
         closer.join(10)
-        assert out == [None] and closed == [None]
+        assert closed == [None]
     finally:
         a.close()
         b.close()
 
 
-def test_close_leaks_rather_than_unmaps_under_a_stuck_copy(impl, blocked_copy, caplog):
-    started, release = blocked_copy
+def test_close_leaks_rather_than_unmaps_under_a_stuck_copy(impl, stuck_write, caplog):
     a, b = shm_engine(), shm_engine()
     try:
-        src, dst = a.allocate(MiB), b.allocate(MiB)
-        t, out = _in_thread(a.write, b.segment_name, src.address, dst.address, MiB)
-        assert started.wait(10)
+        stuck_write.start(a, b, MiB)
         with caplog.at_level(logging.ERROR):
             b.close(wait_s=0.1)
         assert "left mapped" in caplog.text
-        release.set()  # the copy now writes into memory that is still mapped: no crash
-        t.join(10)
-        assert out == [None]
+        stuck_write.finish()  # the copy now writes into memory that is still mapped: no crash
         b.close()  # again: now it is free, and released
         assert not len(b._regions) and b._epoch.map.closed
     finally:
         a.close()
 
 
-def test_free_does_not_hold_the_engine_lock_while_waiting(impl, blocked_copy):
-    started, release = blocked_copy
+def test_free_does_not_hold_the_engine_lock_while_waiting(impl, stuck_write):
     with shm_engine() as a, shm_engine() as b:
-        src, dst = a.allocate(4096), b.allocate(4096)
-        t, out = _in_thread(a.write, b.segment_name, src.address, dst.address, 4096)
-        assert started.wait(10)
+        dst = stuck_write.start(a, b, 4096)
         freer, freed = _in_thread(b.free, dst, 10.0)
         time.sleep(0.05)
         t0 = time.monotonic()
         other = b.allocate(4096)  # needs the engine lock that free() must not hold
         assert time.monotonic() - t0 < 2
-        release.set()
-        t.join(10)
+        stuck_write.finish()
         freer.join(10)
-        assert out == [None] and freed == [None]
+        assert freed == [None]
         b.free(other)

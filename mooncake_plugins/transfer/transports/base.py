@@ -10,15 +10,31 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+import logging
+from typing import TYPE_CHECKING, Any, Callable
 
+from ...config import PURE_PYTHON
 from ...errors import TransportUnavailable
 
 if TYPE_CHECKING:
     from ..engine import Peer
 
+log = logging.getLogger(__name__)
+
 OP_READ = 1
 OP_WRITE = 2
+
+
+def use_default(use: Callable[[bool], None], what: str) -> None:
+    """Call ``use(True)`` (native) unless MOONCAKE_PUREPYTHON=1 or it is not built, else
+    ``use(False)`` (the Python fallback); a missing build is logged."""
+    if not PURE_PYTHON:
+        try:
+            use(True)
+            return
+        except ImportError as exc:  # pragma: no cover - depends on the build
+            log.warning("native %s unavailable (%s); using the Python fallback", what, exc)
+    use(False)
 
 
 class Transport(ABC):

@@ -27,12 +27,11 @@ import struct
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ...config import PURE_PYTHON
 from ...errors import AddressError, MooncakeError, TransferError
 from .. import memory
 from ..segment import RegionInfo, RegionTable
 from ..topology import host_id
-from .base import OP_WRITE, Transport
+from .base import OP_WRITE, Transport, use_default
 
 if TYPE_CHECKING:
     from ..engine import Peer
@@ -101,17 +100,7 @@ def use(native: bool) -> None:
     IMPLEMENTATION = "native" if native else "python"
 
 
-def _pick() -> None:
-    if not PURE_PYTHON:
-        try:
-            use(True)
-            return
-        except ImportError as exc:  # pragma: no cover - depends on the build
-            log.warning("native shm unavailable (%s); using the ctypes fallback", exc)
-    use(False)
-
-
-_pick()
+use_default(use, "shm")
 
 
 class _Mapping:

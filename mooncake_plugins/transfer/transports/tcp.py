@@ -18,13 +18,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ...config import PURE_PYTHON, spin_us
+from ...config import spin_us
 from ...errors import AddressError, MooncakeError, ProtocolError, TransferError, from_code
 from .. import memory, protocol
 from ..listener import (DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ConnectionServer,
                         idle_waiter, set_deadline)
 from ..segment import RegionTable
-from .base import OP_WRITE, Transport
+from .base import OP_WRITE, Transport, use_default
 
 if TYPE_CHECKING:
     from ..engine import Peer
@@ -129,17 +129,7 @@ def use(native: bool) -> None:
     IMPLEMENTATION = "native" if native else "python"
 
 
-def _pick() -> None:
-    if not PURE_PYTHON:
-        try:
-            use(True)
-            return
-        except ImportError as exc:  # pragma: no cover - depends on the build
-            log.warning("native tcp unavailable (%s); using the Python fallback", exc)
-    use(False)
-
-
-_pick()
+use_default(use, "tcp")
 
 
 def _tune(sock: socket.socket) -> None:
