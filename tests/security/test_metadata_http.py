@@ -83,6 +83,8 @@ def test_bodies_being_received_count_against_the_room() -> None:
 def test_connections_over_the_limit_get_503(caplog: pytest.LogCaptureFixture) -> None:
     with MetadataServer(max_connections=3) as srv:
         assert request(srv, "PUT", "a", b"v")[0] == 200
+        # the server ends that connection in its own thread, after the client has closed it
+        assert wait_until(lambda: srv.open_connections == 0, 5)
         holders = [connect(srv.port) for _ in range(3)]
         try:
             for sock in holders:  # each is being served: one request answered, kept alive

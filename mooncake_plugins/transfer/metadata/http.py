@@ -554,6 +554,15 @@ class MetadataServer:
             return server.stored_nbytes + server.reserved_nbytes
 
     @property
+    def open_connections(self) -> int:
+        """Client connections being served now (counted against ``max_connections``)."""
+        server = self._server
+        if server is None:
+            return 0
+        with server._conns_lock:
+            return len(server._conns)
+
+    @property
     def url(self) -> str:
         """The URL clients pass to :func:`from_url`: ``http://host:port/metadata``."""
         host = f"[{self.host}]" if ":" in self.host else self.host
