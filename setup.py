@@ -11,7 +11,7 @@ from pathlib import Path
 from setuptools import setup
 
 HERE = Path(__file__).parent
-NATIVE = ["buffers", "tcp", "shm"]
+NATIVE = ["buffers", "tcp", "shm", "fast_copy"]
 # Optional modules: name -> header that must exist for it to build.
 OPTIONAL: dict[str, str] = {}
 

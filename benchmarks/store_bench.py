@@ -85,7 +85,7 @@ def run_system(py: str, impl: str, master: str, metadata: str, a: argparse.Names
 
 def bench_ours(a: argparse.Namespace) -> dict:
     master = spawn([sys.executable, "-m", "mooncake_plugins.cli.master", "--rpc_port", "0",
-                    "--log_level", "WARNING"], stdout=subprocess.PIPE)
+                    "--metrics_port", "0", "--log_level", "WARNING"], stdout=subprocess.PIPE)
     try:
         port = int(master.stdout.readline().split()[1])
         return run_system(sys.executable, "ours", f"127.0.0.1:{port}", "P2PHANDSHAKE", a, [])

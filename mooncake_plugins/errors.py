@@ -190,12 +190,37 @@ class NotSupported(StoreError):
     code = -1012
 
 
+class UnavailableInCurrentStatus(StoreError):
+    """The target is not in a state that allows this now, e.g. a draining segment."""
+
+    code = -1010
+
+
+class TaskNotFound(StoreError, LookupError):
+    """No copy/move task has this id (TASK_NOT_FOUND)."""
+
+    code = -1400
+
+
+class TaskLimitExceeded(StoreError):
+    """Too many tasks are waiting (TASK_PENDING_LIMIT_EXCEEDED)."""
+
+    code = -1401
+
+
+class JobNotFound(StoreError, LookupError):
+    """No drain job has this id (JOB_NOT_FOUND)."""
+
+    code = -1402
+
+
 STORE_ERRORS: dict[int, type[StoreError]] = {
     cls.code: cls
     for cls in (NoAvailableSpace, StoreSegmentNotFound, SegmentAlreadyExists, ClientNotFound,
                 InvalidKey, InvalidParams, ReplicaNotReady, ObjectNotFound, ObjectAlreadyExists,
                 ObjectHasLease, LeaseExpired, StoreTransferFailed, BufferTooSmall, RpcFailed,
-                RpcTimeout, NotSupported)
+                RpcTimeout, NotSupported, UnavailableInCurrentStatus, TaskNotFound,
+                TaskLimitExceeded, JobNotFound)
 }
 
 

@@ -1,8 +1,17 @@
-"""``mooncake-master``: the Mooncake Store master (flags named as the original's).
+"""``mooncake-master`` / ``mooncake_master``: the Mooncake Store master.
 
-Prints ``READY <rpc port>`` once serving (after winning the election with --enable_ha),
-then serves until SIGTERM/SIGINT. gflags spellings work too: ``-rpc_port=50051``,
-``--enable_ha=true``.
+Takes every flag of the original (gflags spellings: ``-flag=v``, ``--flag=v``, ``--flag v``,
+booleans as ``--flag``, ``--flag=true`` or ``--noflag``; ``--flagfile``, ``--fromenv``,
+``--tryfromenv``, ``--undefok`` and ``--config_path`` (JSON) as gflags/the original). A
+flag that has no effect here says so on stderr, with the reason. Prints ``READY <rpc
+port>`` once serving (after winning the election with --enable_ha), then serves until
+SIGTERM/SIGINT. The metrics/admin HTTP (``/metrics``, ``/health``, drain jobs) always
+listens on --metrics_host:--metrics_port (default: --rpc_address, 9003; 0 picks a free port).
+
+``--root_fs_dir`` alone turns on the SSD tier as the original's persistence does: every
+client keeps the objects it puts in files under that directory (or its own
+ssd_offload_path), and evicted objects stay readable from them. The master deletes only
+the files it named there itself.
 """
 
 from __future__ import annotations
@@ -10,55 +19,164 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import signal
 import sys
 import threading
+from typing import Any, Callable
 
+from .. import __version__
 from ..errors import InvalidParams
 from ..store.master import MasterConfig
 from ..store.server import MasterServer, ServerOptions
 
+# Flags of the original without an effect here, by reason: "type:name" words.
+_INERT_GROUPS = {
+    "CXL memory is not supported here":
+        "bool:enable_cxl str:cxl_path int:cxl_size",
+    "no snapshots: the master's metadata lives in memory; with HA, clients re-register "
+    "with the new leader":
+        "bool:enable_snapshot bool:enable_snapshot_restore str:snapshot_backup_dir "
+        "str:snapshot_catalog_backend_connstring str:snapshot_catalog_backend_type "
+        "str:snapshot_catalog_store_connstring str:snapshot_catalog_store_type "
+        "int:snapshot_child_timeout_seconds int:snapshot_interval_seconds "
+        "str:snapshot_object_store_type str:snapshot_payload_backend_type "
+        "str:snapshot_payload_store_type int:snapshot_retention_count",
+    "no OpLog replication: with HA, clients re-register with the new leader":
+        "bool:enable_oplog int:oplog_batch_max_entries int:oplog_poll_interval_ms "
+        "int:batch_oplog_retry_timeout_sec",
+    "no KV event publisher here":
+        "bool:enable_kv_events str:kv_events_additional_salt str:kv_events_backend_id "
+        "str:kv_events_bind_endpoint int:kv_events_block_size int:kv_events_dp_rank "
+        "bool:kv_events_emit_legacy_compat bool:kv_events_emit_object_key str:kv_events_lora_name "
+        "str:kv_events_model_name int:kv_events_queue_capacity str:kv_events_tenant_id",
+    "no NVMe-oF tier here":
+        "float:nof_eviction_high_watermark_ratio float:nof_eviction_ratio "
+        "int:nof_heartbeat_failures_threshold int:nof_heartbeat_interval_sec "
+        "int:nof_heartbeat_probe_timeout_ms",
+    "no dynamic replication here (copy tasks add replicas on request)":
+        "float:dynamic_replication_admission_qps_threshold "
+        "int:dynamic_replication_heat_window_seconds int:dynamic_replication_max_memory_replicas "
+        "str:dynamic_replication_mode",
+    "SSD-tier files are written by clients when objects are put: no promotion, offload "
+    "queue, disk eviction or quota":
+        "bool:promotion_on_hit int:promotion_admission_threshold int:promotion_max_per_heartbeat "
+        "int:promotion_queue_limit float:offload_cap_ratio bool:offload_force_evict "
+        "bool:offload_on_evict int:offloading_queue_limit bool:enable_disk_eviction "
+        "int:quota_bytes int:global_file_segment_size",
+    "one tenant ('default') only":
+        "bool:enable_multi_tenants str:tenant_quota_connector_type str:tenant_quota_connector_uri",
+    "no Kubernetes label routing here":
+        "str:pod_name str:pod_namespace",
+    "one allocator here (first-fit offsets within each segment)":
+        "str:memory_allocator bool:use_mmap_arena_allocator int:mmap_arena_pool_size",
+    "the RPC server runs one thread per client connection":
+        "int:max_threads int:rpc_thread_num",
+    "RPC connections use TCP_NODELAY and a per-frame timeout of their own":
+        "int:rpc_conn_timeout_seconds bool:rpc_enable_tcp_no_delay",
+    "bind with --rpc_address (an address, not an interface name)":
+        "str:rpc_interface",
+    "the space of a discarded put is freed at once":
+        "int:put_start_release_timeout_sec",
+    "failed copy/move tasks are not retried; processing tasks are bounded by pending ones":
+        "int:max_retry_attempts int:max_total_processing_tasks",
+    "the embedded metadata server keeps entries until they are deleted":
+        "bool:enable_metadata_cleanup_on_timeout",
+    "no shell completion":
+        "int:tab_completion_columns str:tab_completion_word",
+    "logs go to stderr through Python logging (see --log_level, --minloglevel, --v)":
+        "str:alsologtoemail bool:alsologtostderr bool:colorlogtostderr bool:drop_log_memory "
+        "str:log_backtrace_at str:log_dir str:log_link bool:log_prefix int:logbuflevel "
+        "int:logbufsecs int:logemaillevel int:logfile_mode str:logmailer bool:logtostderr "
+        "int:max_log_size int:stderrthreshold bool:stop_logging_if_full_disk "
+        "bool:symbolize_stacktrace str:vmodule",
+}
+_INERT: dict[str, tuple[str, str]] = {
+    name: (kind, reason) for reason, words in _INERT_GROUPS.items()
+    for kind, name in (w.split(":") for w in words.split())
+}
+_HELP_FLAGS = ("help", "helpfull", "helpshort", "helppackage", "helpxml", "helpmatch", "helpon")
+
 
 def _bool(text: str) -> bool:
     low = text.lower()
-    if low in ("1", "true", "yes", "on"):
+    if low in ("1", "true", "yes", "on", "t", "y"):
         return True
-    if low in ("0", "false", "no", "off"):
+    if low in ("0", "false", "no", "off", "f", "n"):
         return False
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+_DURATION = re.compile(r"(\d+)(ms|s|m|h)?")
+_UNIT_MS = {None: 1, "ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
+
+
+def _duration_ms(text: str) -> int:
+    """Raw milliseconds or a duration with an ms, s, m or h suffix (the original's TTLs)."""
+    m = _DURATION.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or e.g. 500ms, 5s, 2m, 1h; got {text!r}")
+    return int(m.group(1)) * _UNIT_MS[m.group(2)]
+
+
+_TYPES: dict[str, Callable[[str], Any]] = {"bool": _bool, "int": int, "float": float, "str": str}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mooncake-master", description=__doc__,
+    ap = argparse.ArgumentParser(prog="mooncake-master", description=__doc__, add_help=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     flag = lambda name, **kw: ap.add_argument(f"--{name}", **kw)  # noqa: E731
-    b = dict(type=_bool, nargs="?", const=True, default=False)
+    b = dict(type=_bool, nargs="?", const=True)
     flag("rpc_port", type=int, default=None, help="RPC port (default 50051; 0 picks a free one)")
     flag("port", type=int, default=None, help="deprecated alias of --rpc_port")
     flag("rpc_address", default="127.0.0.1", help="address to bind and advertise")
     flag("allocation_strategy", default="random", choices=["random", "free_ratio_first", "local_first"])
     flag("eviction_high_watermark_ratio", type=float, default=0.95)
     flag("eviction_ratio", type=float, default=0.05)
-    flag("default_kv_lease_ttl", type=int, default=5000, help="read lease in ms")
-    flag("default_kv_soft_pin_ttl", type=int, default=30 * 60 * 1000, help="soft pin in ms")
-    flag("allow_evict_soft_pinned_objects", type=_bool, nargs="?", const=True, default=True)
+    flag("default_kv_lease_ttl", type=_duration_ms, default=5000, help="read lease (ms, or 5s...)")
+    flag("default_kv_soft_pin_ttl", type=_duration_ms, default=30 * 60 * 1000, help="soft pin")
+    flag("max_kv_soft_pin_ttl", type=_duration_ms, default=24 * 60 * 60 * 1000,
+         help="the longest soft pin a put may ask for")
+    flag("allow_evict_soft_pinned_objects", **b, default=True)
     flag("client_ttl", type=float, default=10.0, help="seconds without heartbeat before a client is dropped")
     flag("put_start_discard_timeout_sec", type=float, default=30.0)
     flag("stripe_size", type=int, default=16 << 20, help="objects above this are striped over segments")
-    flag("enable_offload", **b, help="keep SSD-tier replicas reported by clients (needs --root_fs_dir)")
-    flag("root_fs_dir", default="", help="directory the SSD tier's files live under (the clients' "
-         "ssd_offload_path); the master deletes nothing outside it")
-    flag("enable_ha", **b)
+    flag("enable_offload", **b, default=False,
+         help="keep SSD-tier replicas clients write with enable_ssd_offload (needs --root_fs_dir)")
+    flag("root_fs_dir", default="", help="directory of the SSD tier's files (the clients' "
+         "ssd_offload_path); alone, it also makes every client keep its puts there")
+    flag("enable_ha", **b, default=False)
     flag("etcd_endpoints", default="", help="etcd for HA, e.g. 127.0.0.1:2379;host2:2379")
+    flag("ha_backend_type", default="etcd", choices=["etcd"], help="etcd only here")
+    flag("ha_backend_connstring", default="", help="alias of --etcd_endpoints")
     flag("cluster_id", default="mooncake")
-    flag("enable_http_metadata_server", **b)
+    flag("enable_http_metadata_server", **b, default=False)
     flag("http_metadata_server_host", default=None, help="default: --rpc_address")
     flag("http_metadata_server_port", type=int, default=8080)
-    flag("enable_metric_reporting", **b, help="serve Prometheus /metrics on --metrics_port")
-    flag("metrics_port", type=int, default=9003)
+    flag("metrics_host", default=None, help="metrics/admin HTTP address (default: --rpc_address)")
+    flag("metrics_port", type=int, default=9003, help="metrics/admin HTTP port (0: a free one)")
+    flag("enable_metric_reporting", **b, default=True, help="log a stats line every 10 s")
+    flag("pending_task_timeout_sec", type=float, default=300.0, help="0: no timeout")
+    flag("processing_task_timeout_sec", type=float, default=300.0, help="0: no timeout")
+    flag("max_total_pending_tasks", type=int, default=10000)
+    flag("max_total_finished_tasks", type=int, default=10000)
+    flag("config_path", default="", help="JSON object of flag names and values (the command line wins)")
+    flag("flagfile", default="", help="file of --flag=value lines")
+    flag("fromenv", default="", help="comma-separated flags to read from FLAGS_<name>")
+    flag("tryfromenv", default="", help="as --fromenv, skipping unset variables")
+    flag("undefok", default="", help="comma-separated flag names that may be unknown")
     flag("log_level", default="INFO")
+    flag("minloglevel", type=int, default=None, help="0 INFO, 1 WARNING, 2 ERROR, 3 FATAL")
+    flag("v", type=int, default=None, help="> 0: debug logs")
     flag("log_format", default="text", choices=["text", "json"],
          help="json: one JSON object per line (time, level, logger, message)")
+    flag("version", **b, default=False, help="print the version and exit")
+    for name in _HELP_FLAGS:
+        flag(name, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+    for name, (kind, reason) in sorted(_INERT.items()):
+        kw = dict(nargs="?", const=True) if kind == "bool" else {}
+        flag(name, type=_TYPES[kind], default=None, help=f"no effect here: {reason}", **kw)
     return ap
 
 
@@ -73,19 +191,110 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
-def _gflags(argv: list[str]) -> list[str]:
-    """Accept the original's single-dash long flags (``-rpc_port=1``)."""
-    return ["-" + a if a.startswith("-") and not a.startswith("--") and len(a) > 2 else a for a in argv]
+def _name(arg: str) -> str:
+    return arg.lstrip("-").split("=", 1)[0]
+
+
+def _normalize(argv: list[str], bools: set[str]) -> list[str]:
+    """gflags spellings to argparse ones: ``-flag`` -> ``--flag``, ``--noflag`` -> ``--flag=false``."""
+    out = []
+    for a in argv:
+        if a.startswith("-") and not a.startswith("--") and len(a) > 2:
+            a = "-" + a
+        name = _name(a)
+        if a.startswith("--") and "=" not in a and name.startswith("no") and name[2:] in bools:
+            a = f"--{name[2:]}=false"
+        out.append(a)
+    return out
+
+
+def _value(args: list[str], i: int) -> str:
+    """The value of the flag at ``args[i]`` (``--f=v`` or ``--f v``)."""
+    if "=" in args[i]:
+        return args[i].split("=", 1)[1]
+    return args[i + 1] if i + 1 < len(args) else ""
+
+
+def _expand(argv: list[str], known: set[str], bools: set[str]) -> list[str]:
+    """:func:`_normalize`, then ``--flagfile``, ``--fromenv`` and ``--tryfromenv`` expanded in
+    front (the command line wins), and unknown flags named by ``--undefok`` dropped."""
+    args = _normalize(argv, bools)
+    extra: list[str] = []
+    for i, a in enumerate(args):
+        name = _name(a) if a.startswith("--") else ""
+        if name == "flagfile" and _value(args, i):
+            with open(_value(args, i), encoding="utf-8") as f:
+                extra += _normalize([ln.strip() for ln in f if ln.strip().startswith("-")], bools)
+        elif name in ("fromenv", "tryfromenv"):
+            for flag_name in filter(None, _value(args, i).split(",")):
+                env = os.environ.get(f"FLAGS_{flag_name}")
+                if env is None and name == "fromenv":
+                    raise SystemExit(f"--fromenv: FLAGS_{flag_name} is not set")
+                if env is not None:
+                    extra.append(f"--{flag_name}={env}")
+    args = extra + args
+    undefok = {n for i, a in enumerate(args) if _name(a) == "undefok" for n in _value(args, i).split(",")}
+    return [a for a in args if not (a.startswith("--") and _name(a) in undefok - known)]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Flags as gflags takes them; exits after printing help (any of gflags' help flags)."""
+    ap = build_parser()
+    known = {a.dest for a in ap._actions}
+    bools = {a.dest for a in ap._actions if a.type is _bool or a.const is True}
+    ns = ap.parse_args(_expand(argv, known, bools))
+    if any(getattr(ns, h) for h in _HELP_FLAGS):
+        ap.print_help()
+        raise SystemExit(0)
+    if ns.config_path:
+        _apply_config_file(ap, ns.config_path, known)
+        ns = ap.parse_args(_expand(argv, known, bools))
+    return ns
+
+
+def _apply_config_file(ap: argparse.ArgumentParser, path: str, known: set[str]) -> None:
+    """Flag values from a JSON object become the defaults (the command line overrides them)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--config_path {path}: {exc} (a JSON object of flag values is expected)")
+    if not isinstance(doc, dict) or set(doc) - known:
+        raise SystemExit(f"--config_path {path}: unknown keys {sorted(set(doc) - known)}")
+    for action in ap._actions:
+        if action.dest in doc:
+            v = doc[action.dest]
+            convert = action.type if action.type is not None and not isinstance(v, bool) else None
+            ap.set_defaults(**{action.dest: convert(str(v)) if convert else v})
+
+
+def _report_inert(ns: argparse.Namespace) -> None:
+    for name, (_, reason) in sorted(_INERT.items()):
+        if getattr(ns, name) is not None:
+            print(f"mooncake-master: --{name} has no effect here: {reason}", file=sys.stderr)
+
+
+def _log_level(ns: argparse.Namespace) -> str:
+    if ns.v:
+        return "DEBUG"
+    if ns.minloglevel is not None:
+        return ("INFO", "WARNING", "ERROR", "CRITICAL")[max(0, min(ns.minloglevel, 3))]
+    return ns.log_level.upper()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(_gflags(sys.argv[1:] if argv is None else argv))
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.version:
+        print(f"mooncake-master (mooncake_plugins) version {__version__}")
+        return 0
+    _report_inert(args)
     handler = logging.StreamHandler()
     handler.setFormatter(_JsonFormatter() if args.log_format == "json" else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
-    if args.enable_ha and not args.etcd_endpoints:
-        print("--enable_ha needs --etcd_endpoints", file=sys.stderr)
+    logging.basicConfig(level=_log_level(args), handlers=[handler])
+    etcd = args.etcd_endpoints or args.ha_backend_connstring
+    if args.enable_ha and not etcd:
+        print("--enable_ha needs --etcd_endpoints (or --ha_backend_connstring)", file=sys.stderr)
         return 2
     if args.enable_offload and not args.root_fs_dir:
         print("--enable_offload needs --root_fs_dir (the directory of the SSD tier's files)",
@@ -97,28 +306,38 @@ def main(argv: list[str] | None = None) -> int:
         eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
         eviction_ratio=args.eviction_ratio, default_kv_lease_ttl_ms=args.default_kv_lease_ttl,
         default_kv_soft_pin_ttl_ms=args.default_kv_soft_pin_ttl,
+        max_kv_soft_pin_ttl_ms=args.max_kv_soft_pin_ttl,
         allow_evict_soft_pinned_objects=args.allow_evict_soft_pinned_objects,
         client_ttl_s=args.client_ttl, put_start_discard_timeout_s=args.put_start_discard_timeout_sec,
-        stripe_nbytes=args.stripe_size, enable_offload=args.enable_offload,
-        root_fs_dir=args.root_fs_dir)
+        stripe_nbytes=args.stripe_size, enable_offload=args.enable_offload or bool(args.root_fs_dir),
+        root_fs_dir=args.root_fs_dir, persist_puts=bool(args.root_fs_dir) and not args.enable_offload,
+        task_pending_timeout_s=args.pending_task_timeout_sec,
+        task_processing_timeout_s=args.processing_task_timeout_sec,
+        max_pending_tasks=args.max_total_pending_tasks,
+        max_finished_tasks=args.max_total_finished_tasks)
     try:
         config.validate()
     except InvalidParams as exc:
         print(f"bad configuration: {exc}", file=sys.stderr)
         return 2
     options = ServerOptions(
-        host=args.rpc_address, rpc_port=rpc_port,
-        metrics_port=args.metrics_port if args.enable_metric_reporting else 0,
+        host=args.rpc_address, rpc_port=rpc_port, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        metric_report_interval_s=10.0 if args.enable_metric_reporting else 0.0,
         http_metadata_port=args.http_metadata_server_port if args.enable_http_metadata_server else None,
         http_metadata_host=args.http_metadata_server_host,
-        enable_ha=args.enable_ha, etcd_endpoints=args.etcd_endpoints, cluster_id=args.cluster_id)
+        enable_ha=args.enable_ha, etcd_endpoints=etcd, cluster_id=args.cluster_id)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     server = MasterServer(config, options)
     try:
-        if not server.start(stop=stop):
-            return 0
+        try:
+            if not server.start(stop=stop):
+                return 0
+        except OSError as exc:
+            print(f"mooncake-master: cannot listen: {exc}", file=sys.stderr)
+            return 1
         print(f"READY {server.port}", flush=True)
         while not stop.wait(0.2):
             if server.lost_leadership.is_set():

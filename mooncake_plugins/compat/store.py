@@ -8,16 +8,19 @@ since an int cannot carry the reason.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
+import random
 from typing import Any, Sequence
 
-import msgpack
-
-from ..errors import InvalidParams, MooncakeError, NotSupported
+from ..errors import InvalidParams, MooncakeError, NotSupported, ObjectAlreadyExists
 from ..store.client import ReplicateConfig as _Config, StoreClient
 from ..transfer.memory import address_of
 from .engine import TransferEngine as CompatEngine
+from .store_dummy import _DummyMethods
+from .store_tasks import _TaskMethods
+from .store_tensors import _TensorMethods
 
 log = logging.getLogger(__name__)
 
@@ -31,30 +34,111 @@ def _size(value: Any) -> int:
     if isinstance(value, int):
         return value
     text = str(value).strip().upper().replace("IB", "B")
-    for suffix, mult in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10), ("B", 1)):
-        if text.endswith(suffix):
-            return int(float(text[:-len(suffix)]) * mult)
-    return int(text)
+    try:
+        for suffix, mult in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10),
+                             ("B", 1)):
+            if text.endswith(suffix):
+                return int(float(text[:-len(suffix)]) * mult)
+        return int(text)
+    except ValueError:
+        raise InvalidParams(f"bad size {value!r}: bytes, or e.g. '16MB', '4 GiB'") from None
+
+
+class SoftPinAction(enum.IntEnum):
+    """What a put does to the object's soft pin (the original's values)."""
+
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+    def __str__(self) -> str:
+        return f"SoftPinAction.{self.name}"
+
+
+class ObjectDataType(enum.IntEnum):
+    """The original's hint of what an object holds (accepted; placement ignores it here)."""
+
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+    def __str__(self) -> str:
+        return f"ObjectDataType.{self.name}"
+
+
+_U64 = (1 << 64) - 1
 
 
 class ReplicateConfig:
-    """The original's ReplicateConfig (the attributes the frameworks set)."""
+    """The original's ReplicateConfig: placement and pinning of one put.
+
+    ``soft_pin_action``/``soft_pin_ttl_ms`` and ``with_hard_pin`` act as in the original
+    (a TTL is only valid with ``SoftPinAction.ENABLE``: the put returns -600 otherwise);
+    ``with_soft_pin`` is the older spelling of ENABLE. ``nof_replica_num``,
+    ``dfs_replica_num``, ``preferred_nof_segments`` (NVMe-oF and DFS tiers), ``data_type``,
+    ``prefer_alloc_in_same_node`` and ``group_ids`` are accepted and kept, without effect.
+    """
 
     def __init__(self) -> None:
         self.replica_num = 1
+        self.nof_replica_num = 0
+        self.dfs_replica_num = 0
         self.with_soft_pin = False
+        self.with_hard_pin = False
         self.preferred_segment = ""
         self.preferred_segments: list[str] = []
+        self.preferred_nof_segments: list[str] = []
+        self.prefer_alloc_in_same_node = False
+        self.data_type = ObjectDataType.UNKNOWN
+        self.group_ids: list[str] | None = None  # the original's placement groups (kept, unused here)
+        self._soft_pin_action = SoftPinAction.PRESERVE
+        self._soft_pin_ttl_ms: int | None = None
+
+    @property
+    def soft_pin_action(self) -> SoftPinAction:
+        return self._soft_pin_action
+
+    @soft_pin_action.setter
+    def soft_pin_action(self, value: SoftPinAction) -> None:
+        if not isinstance(value, SoftPinAction):
+            raise TypeError(f"soft_pin_action must be a SoftPinAction, got {value!r}")
+        self._soft_pin_action = value
+
+    @property
+    def soft_pin_ttl_ms(self) -> int | None:
+        """Soft pin TTL for ENABLE (None: the master's default)."""
+        return self._soft_pin_ttl_ms
+
+    @soft_pin_ttl_ms.setter
+    def soft_pin_ttl_ms(self, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not 0 <= value <= _U64):
+            raise TypeError(f"soft_pin_ttl_ms must be None or an int in [0, 2**64), got {value!r}")
+        self._soft_pin_ttl_ms = value
 
     def _ours(self) -> _Config:
         preferred = list(self.preferred_segments)
         if self.preferred_segment and self.preferred_segment not in preferred:
             preferred.insert(0, self.preferred_segment)
-        return _Config(int(self.replica_num), preferred, bool(self.with_soft_pin))
+        return _Config(int(self.replica_num), preferred, bool(self.with_soft_pin),
+                       self._soft_pin_action.name.lower(), self._soft_pin_ttl_ms,
+                       bool(self.with_hard_pin))
 
-    def __repr__(self) -> str:
-        return (f"ReplicateConfig(replica_num={self.replica_num}, with_soft_pin={self.with_soft_pin}, "
-                f"preferred_segment={self.preferred_segment!r})")
+    def __str__(self) -> str:
+        ttl = "default" if self._soft_pin_ttl_ms is None else self._soft_pin_ttl_ms
+        return (f"ReplicateConfig: {{ replica_num: {self.replica_num}, soft_pin_action: "
+                f"{self._soft_pin_action.name}, soft_pin_ttl_ms: {ttl}, with_hard_pin: "
+                f"{int(self.with_hard_pin)}, preferred_segments: {self.preferred_segments}, "
+                f"preferred_segment: {self.preferred_segment!r} }}")
+
+    __repr__ = __str__
 
 
 class BufferHandle(bytes):
@@ -69,13 +153,51 @@ class BufferHandle(bytes):
         return len(self)
 
 
+class Descriptor:
+    """Where a memory replica lives: ``transport_endpoint`` is its segment's name."""
+
+    def __init__(self, size: int = 0, buffer_address: int = 0, transport_endpoint: str = "") -> None:
+        self.size = size
+        self.buffer_address = buffer_address
+        self.transport_endpoint = transport_endpoint
+
+    def __repr__(self) -> str:
+        return (f"<Descriptor size={self.size} buffer_address={self.buffer_address} "
+                f"transport_endpoint={self.transport_endpoint}>")
+
+
+class MemoryDescriptor:
+    def __init__(self, buffer_descriptor: Descriptor) -> None:
+        self.buffer_descriptor = buffer_descriptor
+
+
+class DiskDescriptor:
+    def __init__(self, file_path: str = "", object_size: int = 0) -> None:
+        self.file_path = file_path
+        self.object_size = object_size
+
+
 class ReplicaDescriptor:
     """One replica of an object, as ``batch_get_replica_desc`` reports it."""
 
-    def __init__(self, shards: list | None = None, disk_path: str | None = None) -> None:
+    def __init__(self, shards: list | None = None, disk_path: str | None = None,
+                 nbytes: int = 0) -> None:
         self.shards = shards or []
         self.disk_path = disk_path
+        self.nbytes = nbytes
         self.status = "COMPLETE"
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        """The replica's first (usually only) shard: segment, address; size is the object's."""
+        if not self.shards:
+            raise RuntimeError("not a memory replica")
+        segment, address, _ = self.shards[0]
+        return MemoryDescriptor(Descriptor(self.nbytes, address, segment))
+
+    def get_disk_descriptor(self) -> DiskDescriptor:
+        if self.disk_path is None:
+            raise RuntimeError("not a disk replica")
+        return DiskDescriptor(self.disk_path, self.nbytes)
 
     def is_memory_replica(self) -> bool:
         return self.disk_path is None
@@ -92,12 +214,14 @@ class ReplicaDescriptor:
         return f"ReplicaDescriptor({where})"
 
 
-class MooncakeDistributedStore:
+class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
     """Drop-in for the original client; call ``setup`` first."""
 
     def __init__(self) -> None:
         self._client: StoreClient | None = None
         self._hostname = ""
+        self._local_buffer_size = 0  # bytes of the BufferPool's local buffer (mooncake.buffer_pool)
+        self._no_local_buffer = False  # setup(local_buffer_size=0): copying puts and gets fail
 
     @property
     def client(self) -> StoreClient:
@@ -115,7 +239,8 @@ class MooncakeDistributedStore:
         """Connect to the master and mount ``global_segment_size`` bytes (0 or negative code).
 
         Also takes a single dict (the newer API) with those names as keys.
-        ``local_buffer_size`` is accepted for compatibility: reads land straight in the
+        ``local_buffer_size`` 0 makes copying puts and gets fail, as the original; otherwise
+        it is accepted for compatibility: reads land straight in the
         caller's memory here, so no staging buffer is allocated.
         """
         try:
@@ -132,11 +257,23 @@ class MooncakeDistributedStore:
                 protocol = "tcp"
             inner = engine.get_engine() if isinstance(engine, CompatEngine) else engine
             self._hostname = str(local_hostname)
-            self._client = StoreClient(
-                master_server_addr, local_hostname=self._hostname,
-                metadata_server=metadata_server or "P2PHANDSHAKE",
-                global_segment_size=_size(global_segment_size), protocol=protocol, engine=inner,
-                enable_ssd_offload=bool(enable_ssd_offload), ssd_offload_path=ssd_offload_path)
+            self._local_buffer_size = _size(local_buffer_size)
+            self._no_local_buffer = self._local_buffer_size == 0
+            segment_size = _size(global_segment_size)
+            # as the original: a hostname without a port gets one in [12300, 14300]
+            names = ([self._hostname] if ":" in self._hostname or inner is not None else
+                     [f"{self._hostname}:{p}" for p in random.sample(_AUTO_PORTS, 20)])
+            for i, name in enumerate(names):
+                try:
+                    self._client = StoreClient(
+                        master_server_addr, local_hostname=name,
+                        metadata_server=metadata_server or "P2PHANDSHAKE",
+                        global_segment_size=segment_size, protocol=protocol, engine=inner,
+                        enable_ssd_offload=bool(enable_ssd_offload), ssd_offload_path=ssd_offload_path)
+                    break
+                except OSError:
+                    if i == len(names) - 1:
+                        raise
             return 0
         except MooncakeError as exc:
             log.error("setup failed: %s", exc)
@@ -165,6 +302,31 @@ class MooncakeDistributedStore:
             log.error("%s failed: %s", what, exc)
             return _code(exc)
 
+    def _staging_refused(self, what: str) -> bool:
+        """As the original: without a local buffer, calls that copy through it fail."""
+        if self._no_local_buffer:
+            log.error("%s: local_buffer_size is 0, so only put_from/get_into with registered "
+                      "buffers work", what)
+        return self._no_local_buffer
+
+    def _put(self, what: str, fn: Any, *args: Any) -> int:
+        """A put's code: an existing key is success, as the original's put leaves it as is."""
+        if self._staging_refused(what) and not what.endswith("_from"):
+            return InvalidParams.code
+        try:
+            fn(*args)
+            return 0
+        except ObjectAlreadyExists as exc:
+            log.debug("%s: %s (kept)", what, exc)
+            return 0
+        except MooncakeError as exc:
+            log.error("%s failed: %s", what, exc)
+            return _code(exc)
+
+    @staticmethod
+    def _put_codes(errors: Sequence[Any]) -> list[int]:
+        return [0 if e is None or isinstance(e, ObjectAlreadyExists) else _code(e) for e in errors]
+
     @staticmethod
     def _codes(results: Sequence[Any]) -> list[int]:
         return [(_code(r) if isinstance(r, Exception) else (r if isinstance(r, int) else 0))
@@ -183,24 +345,24 @@ class MooncakeDistributedStore:
 
     # -- puts -------------------------------------------------------------------------
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
-        return self._int("put", self.client.put, key, value, self._cfg(config))
+        return self._put("put", self.client.put, key, value, self._cfg(config))
 
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
-        return self._int("upsert", self.client.upsert, key, value, self._cfg(config))
+        return self._put("upsert", self.client.upsert, key, value, self._cfg(config))
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
-        return self._int("put_from", self.client.put_from, key, buffer_ptr, size, self._cfg(config))
+        return self._put("put_from", self.client.put_from, key, buffer_ptr, size, self._cfg(config))
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int,
                     config: ReplicateConfig | None = None) -> int:
-        return self._int("upsert_from", self.client.put_from, key, buffer_ptr, size,
+        return self._put("upsert_from", self.client.put_from, key, buffer_ptr, size,
                          self._cfg(config), True)
 
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
-        return self._int("put_parts", lambda: self.client.put_parts(key, *parts, config=self._cfg(config)))
+        return self._put("put_parts", lambda: self.client.put_parts(key, *parts, config=self._cfg(config)))
 
     def upsert_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
-        return self._int("upsert_parts",
+        return self._put("upsert_parts",
                          lambda: self.client.put_parts(key, *parts, config=self._cfg(config), upsert=True))
 
     def put_batch(self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None) -> int:
@@ -210,22 +372,24 @@ class MooncakeDistributedStore:
         return self._first_error(self.client.batch_put, keys, values, self._cfg(config), True)
 
     def _first_error(self, fn: Any, *args: Any) -> int:
+        if self._staging_refused("batch put"):
+            return InvalidParams.code
         try:
             errors = fn(*args)
         except MooncakeError as exc:
             log.error("batch put failed: %s", exc)
             return _code(exc)
-        for e in errors:
-            if e is not None:
+        for e, code in zip(errors, self._put_codes(errors)):
+            if code:
                 log.error("batch put: %s", e)
-                return _code(e)
+                return code
         return 0
 
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                        config: ReplicateConfig | None = None) -> list[int]:
         try:
-            return self._codes([e or 0 for e in self.client.batch_put_from(keys, buffer_ptrs, sizes,
-                                                                            self._cfg(config))])
+            return self._put_codes(self.client.batch_put_from(keys, buffer_ptrs, sizes,
+                                                              self._cfg(config)))
         except MooncakeError as exc:
             log.error("batch_put_from failed: %s", exc)
             return [_code(exc)] * len(keys)
@@ -233,8 +397,8 @@ class MooncakeDistributedStore:
     def batch_upsert_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                           config: ReplicateConfig | None = None) -> list[int]:
         try:
-            return self._codes([e or 0 for e in self.client.batch_put_from(
-                keys, buffer_ptrs, sizes, self._cfg(config), True)])
+            return self._put_codes(self.client.batch_put_from(keys, buffer_ptrs, sizes,
+                                                              self._cfg(config), True))
         except MooncakeError as exc:
             log.error("batch_upsert_from failed: %s", exc)
             return [_code(exc)] * len(keys)
@@ -244,14 +408,15 @@ class MooncakeDistributedStore:
                                      config: ReplicateConfig | None = None) -> list[int]:
         try:
             parts = [list(zip(p, s)) for p, s in zip(all_buffer_ptrs, all_sizes)]
-            return self._codes([e or 0 for e in self.client.batch_put_from_parts(keys, parts,
-                                                                                  self._cfg(config))])
+            return self._put_codes(self.client.batch_put_from_parts(keys, parts, self._cfg(config)))
         except MooncakeError as exc:
             log.error("batch_put_from_multi_buffers failed: %s", exc)
             return [_code(exc)] * len(keys)
 
     # -- gets -------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
+        if self._staging_refused("get"):
+            return b""
         try:
             return self.client.get(key)
         except MooncakeError as exc:
@@ -259,6 +424,8 @@ class MooncakeDistributedStore:
             return b""
 
     def get_batch(self, keys: list[str]) -> list[bytes]:
+        if self._staging_refused("get_batch"):
+            return [b""] * len(keys)
         try:
             return [b"" if isinstance(r, Exception) else r for r in self.client.batch_get(keys)]
         except MooncakeError as exc:
@@ -285,11 +452,63 @@ class MooncakeDistributedStore:
             log.error("batch_get_into_multi_buffers failed: %s", exc)
             return [_code(exc)] * len(keys)
 
+    def get_into_ranges(self, buffer_ptrs: list[int], all_keys: list[list[str]],
+                        all_dst_offsets: list[list[list[int]]], all_src_offsets: list[list[list[int]]],
+                        all_sizes: list[list[list[int]]]) -> list[list[list[int]]]:
+        """Copy byte ranges of objects into registered buffers: for buffer ``i`` and its key
+        ``j``, ``all_sizes[i][j][k]`` bytes from offset ``all_src_offsets[i][j][k]`` of the
+        object to ``buffer_ptrs[i] + all_dst_offsets[i][j][k]``. Returns the bytes copied
+        per range, or a negative code (ranges of a missing key, a range outside the object
+        or the buffer's registration, range lists of unequal length). Each object is read
+        once, whole.
+        """
+        if not len(buffer_ptrs) == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) \
+                == len(all_sizes):
+            log.error("get_into_ranges: the per-buffer lists differ in length")
+            return []
+        if not hasattr(self.client, "local_view"):
+            log.error("get_into_ranges: not supported by %s", type(self.client).__name__)
+            return [[[NotSupported.code] * len(n) for n in sizes] for sizes in all_sizes]
+        keys = list(dict.fromkeys(k for ks in all_keys for k in ks))
+        try:
+            objects = dict(zip(keys, self.client.batch_get(keys)))
+        except MooncakeError as exc:
+            log.error("get_into_ranges failed: %s", exc)
+            return [[[_code(exc)] * len(n) for n in sizes] for sizes in all_sizes]
+        out = []
+        for ptr, ks, dsts, srcs, sizes in zip(buffer_ptrs, all_keys, all_dst_offsets,
+                                              all_src_offsets, all_sizes):
+            out.append([self._copy_ranges(ptr, objects[k], d, s, n)
+                        for k, d, s, n in zip(ks, dsts, srcs, sizes)])
+        return out
+
+    def _copy_ranges(self, ptr: int, obj: bytes | Exception, dsts: list[int], srcs: list[int],
+                     sizes: list[int]) -> list[int]:
+        if not len(dsts) == len(srcs) == len(sizes):
+            return [InvalidParams.code] * max(len(dsts), len(srcs), len(sizes))
+        if isinstance(obj, Exception):
+            return [_code(obj)] * len(sizes)
+        done = []
+        for d, s, n in zip(dsts, srcs, sizes):
+            if min(d, s, n) < 0 or s + n > len(obj):
+                done.append(InvalidParams.code)
+                continue
+            try:
+                self.client.local_view(ptr + d, n)[:] = memoryview(obj)[s:s + n]
+            except MooncakeError as exc:   # outside the buffer's registration
+                log.error("get_into_ranges: %s", exc)
+                done.append(InvalidParams.code)
+                continue
+            done.append(n)
+        return done
+
     def get_buffer(self, key: str) -> BufferHandle | None:
         """The object in a BufferHandle, or None (logged) when it cannot be read."""
         return self.batch_get_buffer([key])[0]
 
     def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
+        if self._staging_refused("batch_get_buffer"):
+            return [None] * len(keys)
         try:
             out = self.client.batch_get(keys)
         except MooncakeError as exc:
@@ -318,10 +537,10 @@ class MooncakeDistributedStore:
         for key, info in zip(keys, infos):
             if isinstance(info, Exception):
                 continue
-            _, memory, disk = info
-            out[key] = [ReplicaDescriptor(list(r)) for r in memory]
+            nbytes, memory, disk = info
+            out[key] = [ReplicaDescriptor(list(r), nbytes=nbytes) for r in memory]
             if disk is not None:
-                out[key].append(ReplicaDescriptor(disk_path=disk))
+                out[key].append(ReplicaDescriptor(disk_path=disk, nbytes=nbytes))
         return out
 
     # -- queries and removal ----------------------------------------------------------
@@ -351,41 +570,9 @@ class MooncakeDistributedStore:
     def remove_all(self, force: bool = False) -> int:
         return self._int("remove_all", self.client.remove_all, force)
 
-    # -- tensors ----------------------------------------------------------------------
-    def put_tensor(self, key: str, tensor: Any) -> int:
-        """Store a CPU torch tensor with its dtype and shape (read back by ``get_tensor``)."""
-        try:
-            header = msgpack.packb({"dtype": str(tensor.dtype).removeprefix("torch."),
-                                    "shape": list(tensor.shape)})
-            data = tensor.detach().contiguous().cpu().view(-1).view(_torch().uint8).numpy()
-            self.client.put_parts(key, len(header).to_bytes(4, "little"), header, data)
-            return 0
-        except MooncakeError as exc:
-            log.error("put_tensor failed: %s", exc)
-            return _code(exc)
 
-    def get_tensor(self, key: str) -> Any:
-        """The tensor stored by ``put_tensor``, or None."""
-        try:
-            raw = self.client.get(key)
-        except MooncakeError as exc:
-            log.error("get_tensor failed: %s", exc)
-            return None
-        torch = _torch()
-        n = int.from_bytes(raw[:4], "little")
-        meta = msgpack.unpackb(raw[4:4 + n])
-        flat = torch.frombuffer(bytearray(raw[4 + n:]), dtype=torch.uint8)
-        return flat.view(getattr(torch, meta["dtype"])).reshape(meta["shape"])
-
-
+_AUTO_PORTS = range(12300, 14301)
 _SETUP_KEYS = {"metadata_server", "global_segment_size", "local_buffer_size", "protocol",
                "rdma_devices", "master_server_addr", "enable_ssd_offload", "ssd_offload_path",
                "tenant_id"}
 
-
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as exc:
-        raise NotSupported("put_tensor/get_tensor need torch installed") from exc
-    return torch

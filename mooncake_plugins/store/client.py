@@ -11,6 +11,7 @@ no lock held while it waits; the other threads whose calls failed share its outc
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -22,8 +23,8 @@ from typing import Any, Callable, Sequence
 
 from ..config import EngineConfig
 from ..errors import (BufferTooSmall, ClientNotFound, InvalidArgument, InvalidParams, LeaseExpired,
-                      MooncakeError, NotSupported, RpcFailed, SegmentAlreadyExists, StoreError,
-                      StoreTransferFailed, store_error)
+                      MooncakeError, NotSupported, ObjectNotFound, RpcFailed, SegmentAlreadyExists,
+                      StoreError, StoreTransferFailed, store_error)
 from ..transfer import OpCode, TransferEngine, memory
 from ..transfer.topology import host_id
 from . import offload
@@ -39,10 +40,15 @@ class ReplicateConfig:
     replica_num: int = 1
     preferred_segments: list[str] = field(default_factory=list)
     with_soft_pin: bool = False
+    soft_pin_action: str = "preserve"     # "preserve" | "enable" | "disable" (master.PutConfig)
+    soft_pin_ttl_ms: int | None = None
+    with_hard_pin: bool = False
 
     def to_wire(self, upsert: bool) -> dict:
         return {"replica_num": self.replica_num, "preferred_segments": list(self.preferred_segments),
-                "with_soft_pin": self.with_soft_pin, "upsert": upsert}
+                "with_soft_pin": self.with_soft_pin, "upsert": upsert,
+                "soft_pin_action": self.soft_pin_action, "soft_pin_ttl_ms": self.soft_pin_ttl_ms,
+                "with_hard_pin": self.with_hard_pin}
 
 
 def _pair(local: Sequence[tuple[int, int]], shards: Sequence[Sequence]) -> list[tuple[int, str, int, int]]:
@@ -142,6 +148,7 @@ class StoreClient:
         self._closed = False
         self._stop = threading.Event()
         self._segment = None
+        self._task_runner: ThreadPoolExecutor | None = None   # copy/move tasks from the master
         try:
             if engine is None:
                 cfg = EngineConfig.from_env()
@@ -157,6 +164,10 @@ class StoreClient:
         if self._offload_dir and not info["enable_offload"]:
             log.warning("master has offload disabled: objects are not written to %s", self._offload_dir)
             self._offload_dir = None
+        if self._offload_dir is None and info.get("persist_puts") and os.path.isdir(self._master_root):
+            # the original's persistence: the master's root_fs_dir makes every client keep its puts
+            self._offload_dir = self._master_root
+            self._offloader = ThreadPoolExecutor(1, thread_name_prefix="mc-offload")
         interval = max(0.05, min(1.0, info["client_ttl_s"] / 3))
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(interval,),
                                            name="mc-store-heartbeat", daemon=True)
@@ -251,7 +262,9 @@ class StoreClient:
         while not self._stop.wait(interval_s):
             rpc = self._rpc
             try:
-                rpc.call("heartbeat", client_id=self.client_id)
+                tasks = rpc.call("heartbeat", client_id=self.client_id)
+                if tasks:
+                    self._start_tasks(tasks)
             except ClientNotFound:
                 log.warning("master %s forgot this client: registering again", rpc.address)
                 self._safe_failover(rpc, unreachable=False)
@@ -260,6 +273,18 @@ class StoreClient:
                     self._safe_failover(rpc, unreachable=True)
                 else:
                     log.warning("heartbeat to %s failed: %s", rpc.address, exc)
+
+    def _start_tasks(self, tasks: list[dict]) -> None:
+        from .tasks import run_task
+
+        if self._task_runner is None:
+            self._task_runner = ThreadPoolExecutor(2, thread_name_prefix="mc-store-task")
+        for t in tasks:
+            self._task_runner.submit(run_task, self, t)
+
+    def call_master(self, method: str, **args: Any) -> Any:
+        """One RPC to the master (re-registering first if it forgot this client)."""
+        return self._call(method, **args)
 
     def _safe_failover(self, rpc: RpcClient, unreachable: bool) -> None:
         try:
@@ -274,6 +299,10 @@ class StoreClient:
 
     def unregister_buffer(self, address: int) -> None:
         self.engine.unregister(address)
+
+    def local_view(self, address: int, nbytes: int) -> memoryview:
+        """A writable view of registered memory. Raises AddressError outside a registration."""
+        return self.engine.local_view(address, nbytes)
 
     # -- puts ---------------------------------------------------------------------------
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
@@ -412,7 +441,9 @@ class StoreClient:
                 code, msg = self._call("add_disk_replica", keys=[key])[0]
                 if code:
                     log.warning("offload of %r not recorded: %s", key, msg)
-            except (OSError, MooncakeError) as exc:
+                if code == ObjectNotFound.code:  # removed or evicted meanwhile: nothing needs it
+                    offload.delete_under(self._offload_dir, offload.relative_name(key))
+            except (OSError, ValueError, MooncakeError) as exc:
                 log.warning("offload of %r to %s failed: %s", key, path, exc)
 
         self._offloader.submit(write)
@@ -620,6 +651,51 @@ class StoreClient:
     def stats(self) -> dict:
         return self._call("stats")
 
+    # -- replica copy/move (tasks.py) -------------------------------------------------
+    def create_copy_task(self, key: str, targets: Sequence[str]) -> tuple[int, int]:
+        """Have the master copy ``key`` to each segment of ``targets``; returns the task id."""
+        return tuple(self._call("create_copy_task", key=key, targets=list(targets)))  # type: ignore[return-value]
+
+    def create_move_task(self, key: str, source: str, target: str) -> tuple[int, int]:
+        """Have the master move ``key``'s replica on ``source`` to ``target``; the task id."""
+        return tuple(self._call("create_move_task", key=key, source=source, target=target))  # type: ignore[return-value]
+
+    def query_task(self, task_id: Sequence[int]) -> dict:
+        """A task's state: id, type, key, source, targets, client_id, status, message,
+        created_ms, updated_ms (tasks.py names the type and status numbers)."""
+        return self._call("query_task", task_id=[int(x) for x in task_id])
+
+    def copy_replicas(self, key: str, source: str, targets: Sequence[str], move: bool = False) -> None:
+        """Copy ``key`` from its replica on ``source`` to ``targets`` (a move also drops the
+        source replica): what this client does for a task the master handed it."""
+        nbytes, src, new = self._call("replica_start", client_id=self.client_id, key=key,
+                                      source=source, targets=list(targets), move=move)
+        ok = False
+        try:
+            if new:
+                region = self.engine.register(bytearray(nbytes), private=True)
+                try:
+                    local = [(region.address, nbytes)]
+                    for op, replicas in ((OpCode.READ, [src]), (OpCode.WRITE, new)):
+                        plan: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+                        for r in replicas:
+                            for laddr, seg, raddr, n in _pair(local, r):
+                                plan[seg].append((laddr, raddr, n, 0))
+                        failed = self._run(op, plan)
+                        if failed:
+                            raise StoreTransferFailed(f"copying {key!r}: {failed[0]}")
+                finally:
+                    self.engine.unregister(region)
+            ok = True
+        finally:
+            self._call("replica_end", client_id=self.client_id, key=key, ok=ok)
+
+    def batch_replica_clear(self, keys: Sequence[str], segment: str = "") -> list[str]:
+        """Drop this client's objects among ``keys`` (only their replicas on ``segment``
+        when given); leased or in-flight ones are kept. Returns the keys cleared."""
+        return self._call("batch_replica_clear", client_id=self.client_id, keys=list(keys),
+                          segment=segment)
+
     @staticmethod
     def _raise(err: StoreError | None) -> None:
         if err is not None:
@@ -633,6 +709,8 @@ class StoreClient:
         self._closed = True
         self._stop.set()
         self._heartbeat.join(5)
+        if self._task_runner is not None:
+            self._task_runner.shutdown(wait=True, cancel_futures=True)
         if self._offloader is not None:
             self._offloader.shutdown(wait=True)  # its last writes still report to the master
         if self._segment is not None:

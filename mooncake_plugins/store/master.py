@@ -23,16 +23,19 @@ import random
 import re
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import (ClientNotFound, InvalidKey, InvalidParams, NoAvailableSpace,
+from ..errors import (ClientNotFound, InvalidKey, InvalidParams, JobNotFound, NoAvailableSpace,
                       ObjectAlreadyExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
                       SegmentAlreadyExists, StoreError, StoreSegmentNotFound,
-                      store_error)
+                      UnavailableInCurrentStatus, store_error)
 from .allocation import STRATEGIES, MountedSegment, order_segments
 from .offload import relative_name
+from .tasks import (COPY, FAILED, JOB_CANCELED, JOB_FAILED, JOB_SUCCEEDED, MOVE, SUCCESS, DrainJob,
+                    TaskId, TaskQueue)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ class MasterConfig:
     eviction_ratio: float = 0.05
     default_kv_lease_ttl_ms: int = 5000
     default_kv_soft_pin_ttl_ms: int = 30 * 60 * 1000
+    max_kv_soft_pin_ttl_ms: int = 24 * 60 * 60 * 1000
     allow_evict_soft_pinned_objects: bool = True
     client_ttl_s: float = 10.0
     put_start_discard_timeout_s: float = 30.0
@@ -59,12 +63,24 @@ class MasterConfig:
     enable_offload: bool = False
     root_fs_dir: str = ""
     """Directory the SSD tier's files live under (needed by ``enable_offload``)."""
+    task_pending_timeout_s: float = 300.0
+    """A copy/move task its client has not picked up by then fails (0: never)."""
+    task_processing_timeout_s: float = 300.0
+    """A copy/move task its client has not finished by then fails (0: never)."""
+    max_pending_tasks: int = 10000
+    max_finished_tasks: int = 10000
+    persist_puts: bool = False
+    """Ask every client to keep each object it puts in the SSD tier (under its own
+    ``ssd_offload_path``, else under ``root_fs_dir``), as the original does whenever its
+    master has a ``root_fs_dir``. Needs ``enable_offload``."""
 
     def validate(self) -> None:
         if self.allocation_strategy not in STRATEGIES:
             raise InvalidParams(f"allocation_strategy must be one of {STRATEGIES}")
         if not 0 < self.eviction_high_watermark_ratio <= 1 or not 0 < self.eviction_ratio <= 1:
             raise InvalidParams("eviction ratios must be in (0, 1]")
+        if not 0 <= self.default_kv_soft_pin_ttl_ms <= self.max_kv_soft_pin_ttl_ms:
+            raise InvalidParams("default_kv_soft_pin_ttl must be in [0, max_kv_soft_pin_ttl]")
         if self.default_kv_lease_ttl_ms <= 0 or self.client_ttl_s <= 0:
             raise InvalidParams("lease and client TTLs must be > 0")
         if self.stripe_nbytes < 4096:
@@ -72,18 +88,52 @@ class MasterConfig:
         if self.enable_offload and not self.root_fs_dir:
             raise InvalidParams("enable_offload needs root_fs_dir: the directory the SSD tier's "
                                 "files live under (the clients' ssd_offload_path)")
+        if self.persist_puts and not self.enable_offload:
+            raise InvalidParams("persist_puts needs enable_offload")
         if self.root_fs_dir and not os.path.isdir(self.root_fs_dir):
             raise InvalidParams(f"root_fs_dir {self.root_fs_dir!r} is not a directory")
 
 
+SOFT_PIN_ACTIONS = ("preserve", "enable", "disable")
+
+
 @dataclass
 class PutConfig:
-    """Per-put options (the original's ReplicateConfig)."""
+    """Per-put options (the original's ReplicateConfig).
+
+    Soft pin (evicted only after unpinned objects): ``soft_pin_action`` "preserve" keeps
+    the object's current pin (a new object has none), "enable" pins it for
+    ``soft_pin_ttl_ms`` (None: the master's default; 0 unpins), "disable" unpins it.
+    ``with_soft_pin`` is the older spelling of "enable" with the default TTL. A hard-pinned
+    object is never evicted.
+    """
 
     replica_num: int = 1
     preferred_segments: list[str] = field(default_factory=list)
     with_soft_pin: bool = False
     upsert: bool = False
+    soft_pin_action: str = "preserve"
+    soft_pin_ttl_ms: int | None = None
+    with_hard_pin: bool = False
+
+    def pin_ttl_ms(self, config: MasterConfig) -> int | None:
+        """The soft pin TTL this put sets at put_end (0: unpin), None: leave the pin as is.
+
+        Raises InvalidParams for a TTL without "enable", or one above the master's maximum.
+        """
+        action = "enable" if self.with_soft_pin and self.soft_pin_action == "preserve" \
+            else self.soft_pin_action
+        if action not in SOFT_PIN_ACTIONS:
+            raise InvalidParams(f"soft_pin_action must be one of {SOFT_PIN_ACTIONS}, got {action!r}")
+        if action != "enable":
+            if self.soft_pin_ttl_ms is not None:
+                raise InvalidParams(f"soft_pin_ttl_ms needs soft_pin_action 'enable', not {action!r}")
+            return 0 if action == "disable" else None
+        ttl = config.default_kv_soft_pin_ttl_ms if self.soft_pin_ttl_ms is None else self.soft_pin_ttl_ms
+        if not 0 <= ttl <= config.max_kv_soft_pin_ttl_ms:
+            raise InvalidParams(f"soft_pin_ttl_ms must be in [0, {config.max_kv_soft_pin_ttl_ms}], "
+                                f"got {ttl}")
+        return ttl
 
 
 @dataclass(eq=False)
@@ -96,11 +146,25 @@ class ObjectMeta:
     started: float = 0.0
     lease_until: float = 0.0
     soft_pin_until: float = 0.0
+    pending_pin_ttl_ms: int | None = None   # applied at put_end (PutConfig.pin_ttl_ms)
+    hard_pinned: bool = False
+    pending_hard_pin: bool = False
+    owner: str = ""                 # client whose put made the current replicas
     disk_name: str | None = None    # under root_fs_dir, derived from the key by the master
 
     @property
     def complete(self) -> bool:
         return bool(self.replicas) or self.disk_name is not None
+
+
+@dataclass(eq=False)
+class ReplicaCopy:
+    """New replicas of an object being written by a copy/move task (invisible until done)."""
+
+    client_id: str
+    source: MemoryReplica
+    new: list[MemoryReplica]
+    drop_segment: str | None    # a move: the source segment, whose replica goes at the end
 
 
 @dataclass(eq=False)
@@ -137,6 +201,15 @@ class MasterService:
         self._clients: dict[str, ClientInfo] = {}
         self._deferred: list[tuple[float, MemoryReplica]] = []        # freed after a lease ends
         self._rng = random.Random()
+        self._copies: dict[str, ReplicaCopy] = {}                    # by key, one at a time
+        self._draining: set[str] = set()                             # segments taking no new data
+        self._drained: set[str] = set()                              # ... and holding none
+        self._drains: dict[str, DrainJob] = {}
+        c = self.config
+        self.tasks = TaskQueue(max_pending=c.max_pending_tasks, max_finished=c.max_finished_tasks,
+                               pending_timeout_s=c.task_pending_timeout_s or math.inf,
+                               processing_timeout_s=c.task_processing_timeout_s or math.inf,
+                               clock=clock)
         self.counters = {"puts": 0, "gets": 0, "removes": 0, "evicted": 0, "offloaded_evictions": 0,
                          "expired_clients": 0, "discarded_puts": 0}
 
@@ -189,6 +262,11 @@ class MasterService:
                 c = self._clients.get(seg.client_id)
                 if c:
                     c.segments.discard(name)
+        for key, cp in list(self._copies.items()):
+            if self._on(cp.source, names) or any(self._on(r, names) for r in cp.new):
+                self._cancel_copy(key)
+        self._draining -= names
+        self._drained -= names
         deferred = [(t, [s for s in r if s[0] not in names]) for t, r in self._deferred]
         self._deferred = [(t, r) for t, r in deferred if r]
         for key in list(self._objects):
@@ -252,7 +330,8 @@ class MasterService:
 
     def _allocate(self, client_id: str, nbytes: int, cfg: PutConfig) -> list[MemoryReplica]:
         client = self._clients.get(client_id)
-        candidates = order_segments(list(self._segments.values()), self.config.allocation_strategy,
+        candidates = order_segments([s for s in self._segments.values() if s.name not in self._draining],
+                                    self.config.allocation_strategy,
                                     cfg.preferred_segments, client.host_id if client else None,
                                     self._rng)
         if not candidates:
@@ -288,6 +367,7 @@ class MasterService:
                     return freed
                 meta = self._objects[key]
                 if (not meta.replicas or meta.pending is not None or meta.lease_until > now
+                        or meta.hard_pinned or key in self._copies
                         or (meta.soft_pin_until > now and not allow_pinned)):
                     continue
                 freed += sum(s[2] for r in meta.replicas for s in r)
@@ -314,6 +394,7 @@ class MasterService:
             raise InvalidParams(f"object size must be in (0, {MAX_OBJECT_NBYTES}], got {nbytes!r}")
         if not 1 <= cfg.replica_num <= 16:
             raise InvalidParams(f"replica_num must be in [1, 16], got {cfg.replica_num}")
+        pin_ttl_ms = cfg.pin_ttl_ms(self.config)
         with self._lock:
             self._client(client_id)
             now = self._clock()
@@ -338,8 +419,7 @@ class MasterService:
             if meta is None:
                 meta = self._objects[key] = ObjectMeta(nbytes)
             meta.pending, meta.pending_nbytes, meta.writer, meta.started = replicas, nbytes, client_id, now
-            if cfg.with_soft_pin:
-                meta.soft_pin_until = now + self.config.default_kv_soft_pin_ttl_ms / 1000
+            meta.pending_pin_ttl_ms, meta.pending_hard_pin = pin_ttl_ms, cfg.with_hard_pin
             return replicas
 
     def put_end(self, client_id: str, key: str) -> None:
@@ -349,9 +429,14 @@ class MasterService:
             if meta is None or meta.pending is None or meta.writer != client_id:
                 raise ObjectNotFound(f"no put of {key!r} by {client_id!r} is in progress "
                                      f"(it may have been discarded or its segment lost)")
+            self._cancel_copy(key)  # a copy of the replaced bytes must not land
             old = meta.replicas
             meta.replicas, meta.pending = meta.pending, None
-            meta.nbytes = meta.pending_nbytes
+            meta.nbytes, meta.owner = meta.pending_nbytes, client_id
+            if meta.pending_pin_ttl_ms is not None:
+                meta.soft_pin_until = self._clock() + meta.pending_pin_ttl_ms / 1000 \
+                    if meta.pending_pin_ttl_ms else 0.0
+            meta.hard_pinned = meta.pending_hard_pin
             self._drop_disk(meta)
             self._free_after_lease(meta, old)
             self._objects.move_to_end(key)
@@ -462,6 +547,7 @@ class MasterService:
         if meta.pending is not None:
             for r in meta.pending:
                 self._free(r)
+        self._cancel_copy(key)
         self._free_after_lease(meta, meta.replicas)
         self._drop_disk(meta)
         del self._objects[key]
@@ -489,6 +575,268 @@ class MasterService:
                     continue
         return n
 
+    # -- copy/move tasks and replica clearing -------------------------------------------
+    def _check_target(self, name: str) -> MountedSegment:
+        seg = self._segments.get(name)
+        if seg is None:
+            raise InvalidParams(f"segment {name!r} is not mounted")
+        if name in self._draining:
+            raise UnavailableInCurrentStatus(f"segment {name!r} is being drained")
+        return seg
+
+    def _complete(self, key: str) -> ObjectMeta:
+        check_key(key)
+        meta = self._objects.get(key)
+        if meta is None or not meta.replicas:
+            raise ObjectNotFound(f"no object {key!r} in memory")
+        return meta
+
+    def _owner_of(self, segment: str) -> str:
+        return self._segments[segment].client_id
+
+    def create_copy_task(self, key: str, targets: list[str]) -> TaskId:
+        """Queue a copy of ``key`` to each of ``targets`` (run by the client owning a source
+        replica). Raises InvalidParams (no or unmounted targets), ObjectNotFound,
+        UnavailableInCurrentStatus (a draining target)."""
+        with self._lock:
+            if not targets:
+                raise InvalidParams("a copy needs at least one target segment")
+            meta = self._complete(key)
+            for t in targets:
+                self._check_target(t)
+            sources = sorted({s[0] for r in meta.replicas for s in r})
+            source = self._rng.choice(sources)
+            return self.tasks.submit(COPY, key, source, list(dict.fromkeys(targets)),
+                                     self._owner_of(source))
+
+    def create_move_task(self, key: str, source: str, target: str) -> TaskId:
+        """Queue a move of ``key``'s replica on ``source`` to ``target`` (run by ``source``'s
+        client). Raises ObjectNotFound, InvalidParams (same or unknown segments),
+        UnavailableInCurrentStatus."""
+        with self._lock:
+            meta = self._complete(key)
+            if source == target:
+                raise InvalidParams("a move needs different source and target segments")
+            self._check_target(target)
+            if not any(s[0] == source for r in meta.replicas for s in r):
+                raise InvalidParams(f"{key!r} has no replica on segment {source!r}")
+            return self.tasks.submit(MOVE, key, source, [target], self._owner_of(source))
+
+    def replica_start(self, client_id: str, key: str, source: str, targets: list[str],
+                      move: bool) -> tuple[int, MemoryReplica, list[MemoryReplica]]:
+        """Reserve a replica of ``key`` on each target that has none yet, for ``client_id``
+        to fill from its replica on ``source``; the object is leased meanwhile.
+
+        Returns:
+            (nbytes, source replica, new replicas in the order of the targets that need one).
+        Raises:
+            ObjectNotFound, InvalidParams, ObjectAlreadyExists (a copy of it is running),
+            NoAvailableSpace, UnavailableInCurrentStatus.
+        """
+        with self._lock:
+            meta = self._complete(key)
+            if key in self._copies:
+                raise ObjectAlreadyExists(f"another copy of {key!r} is running")
+            src = next((r for r in meta.replicas if any(s[0] == source for s in r)), None)
+            if src is None:
+                raise InvalidParams(f"{key!r} has no replica on segment {source!r}")
+            held = {r[0][0] for r in meta.replicas if len(r) == 1}
+            new: list[MemoryReplica] = []
+            try:
+                for t in dict.fromkeys(targets):
+                    seg = self._check_target(t)
+                    if t in held:
+                        continue
+                    r = self._allocate_replica(meta.nbytes, [seg])
+                    if r is None:
+                        raise NoAvailableSpace(f"no room for {meta.nbytes} bytes of {key!r} on {t!r}")
+                    new.append(r)
+            except StoreError:
+                for r in new:
+                    self._free(r)
+                raise
+            self._copies[key] = ReplicaCopy(client_id, src, new, source if move else None)
+            meta.lease_until = max(meta.lease_until,
+                                   self._clock() + self.config.put_start_discard_timeout_s)
+            return meta.nbytes, src, new
+
+    def replica_end(self, client_id: str, key: str, ok: bool) -> None:
+        """Publish (``ok``) or drop the replicas ``replica_start`` reserved; a move also
+        drops the source replica. Raises ObjectNotFound when the copy was cancelled (the
+        object was removed or replaced, or a segment went away meanwhile)."""
+        with self._lock:
+            cp = self._copies.get(key)
+            if cp is None or cp.client_id != client_id:
+                raise ObjectNotFound(f"no copy of {key!r} by {client_id!r} is running (cancelled?)")
+            del self._copies[key]
+            meta = self._objects[key]
+            meta.lease_until = self._clock()
+            if not ok:
+                for r in cp.new:
+                    self._free(r)
+                return
+            meta.replicas.extend(cp.new)
+            if cp.drop_segment is not None:
+                gone = [r for r in meta.replicas if any(s[0] == cp.drop_segment for s in r)]
+                meta.replicas = [r for r in meta.replicas if r not in gone]
+                self._free_after_lease(meta, gone)
+
+    def _cancel_copy(self, key: str) -> None:
+        """Forget a running copy of ``key``; its new replicas are freed (gone segments skipped)."""
+        cp = self._copies.pop(key, None)
+        if cp is not None:
+            for r in cp.new:
+                self._free(r)
+
+    def set_draining(self, segments: list[str], draining: bool) -> None:
+        """Stop (or resume) placing new replicas on ``segments``. Raises StoreSegmentNotFound."""
+        with self._lock:
+            missing = [n for n in segments if n not in self._segments]
+            if missing:
+                raise StoreSegmentNotFound(f"segments {missing} are not mounted")
+            if draining:
+                self._draining.update(segments)
+            else:
+                self._draining.difference_update(segments)
+
+    # -- drain jobs: empty segments before they go --------------------------------------
+    def create_drain_job(self, segments: list[str], targets: list[str], max_concurrency: int) -> str:
+        """Stop placing data on ``segments`` and move every replica there to ``targets`` (any
+        other segment when empty), ``max_concurrency`` objects at a time; returns the job id.
+
+        Raises InvalidParams, StoreSegmentNotFound, UnavailableInCurrentStatus (a segment
+        is being drained already).
+        """
+        if not segments or len(set(segments)) != len(segments) or max_concurrency <= 0:
+            raise InvalidParams("a drain needs distinct segments and max_concurrency > 0")
+        with self._lock:
+            for name in segments:
+                if name not in self._segments:
+                    raise StoreSegmentNotFound(f"segment {name!r} is not mounted")
+                if name in self._draining:
+                    raise UnavailableInCurrentStatus(f"segment {name!r} is drained already")
+            for name in targets:
+                if name in segments or name not in self._segments:
+                    raise InvalidParams(f"target {name!r} is not a mounted segment outside the drain")
+                self._check_target(name)
+            job = DrainJob(str(uuid.uuid4()), list(segments), list(targets), max_concurrency)
+            self._drains[job.id] = job
+            self._draining.update(segments)
+        log.info("drain job %s: moving everything off %s", job.id, segments)
+        self.advance_drains()
+        return job.id
+
+    def query_drain_job(self, job_id: str) -> dict:
+        with self._lock:
+            return self._job(job_id).to_wire()
+
+    def cancel_drain_job(self, job_id: str) -> None:
+        """Stop a drain (moves under way finish); its segments take new data again."""
+        with self._lock:
+            job = self._job(job_id)
+            if job.finished:
+                raise UnavailableInCurrentStatus(f"drain job {job_id} is finished already")
+            job.status, job.updated_ms = JOB_CANCELED, int(time.time() * 1000)
+            self._draining.difference_update(job.segments)
+
+    def _job(self, job_id: str) -> DrainJob:
+        job = self._drains.get(job_id)
+        if job is None:
+            raise JobNotFound(f"no drain job {job_id!r}")
+        return job
+
+    def segment_status(self, name: str) -> str:
+        """OK, DRAINING (no new data) or DRAINED (and none left). Raises StoreSegmentNotFound."""
+        with self._lock:
+            if name not in self._segments:
+                raise StoreSegmentNotFound(f"segment {name!r} is not mounted")
+            return "DRAINED" if name in self._drained else "DRAINING" if name in self._draining else "OK"
+
+    def advance_drains(self) -> None:
+        """Account finished moves of running drain jobs, start the next ones, finish jobs."""
+        with self._lock:
+            for job in self._drains.values():
+                if not job.finished:
+                    self._advance(job)
+
+    def _advance(self, job: DrainJob) -> None:
+        for tid, key in list(job.active.items()):
+            status = self.tasks.status(tid)
+            if status == SUCCESS:
+                job.succeeded_units += 1
+            elif status == FAILED or status is None:
+                job.failed_units += 1
+                job.failed_keys.add(key)
+            else:
+                continue
+            del job.active[tid]
+        names = set(job.segments)
+        busy = set(job.active.values())
+        left = False
+        for key, meta in self._objects.items():
+            on = [s[0] for r in meta.replicas for s in r if s[0] in names]
+            if meta.pending is not None and any(self._on(r, names) for r in meta.pending):
+                left = True
+            if not on or key in job.failed_keys:
+                continue
+            left = True
+            if key in busy or key in self._copies or len(job.active) >= job.max_concurrency:
+                continue
+            target = self._drain_target(meta, job)
+            if target is None:
+                log.warning("drain %s: no segment has room for %r (%d bytes)", job.id, key, meta.nbytes)
+                job.failed_units += 1
+                job.failed_keys.add(key)
+                continue
+            job.active[self.tasks.submit(MOVE, key, on[0], [target], self._owner_of(on[0]))] = key
+        job.updated_ms = int(time.time() * 1000)
+        if not left and not job.active:
+            job.status = JOB_FAILED if job.failed_units else JOB_SUCCEEDED
+            if job.status == JOB_SUCCEEDED:
+                self._drained.update(names & set(self._segments))
+            log.info("drain job %s %s: %d moved, %d failed", job.id,
+                     "succeeded" if job.status == JOB_SUCCEEDED else "failed",
+                     job.succeeded_units, job.failed_units)
+
+    def _drain_target(self, meta: ObjectMeta, job: DrainJob) -> str | None:
+        """A target already holding ``meta`` whole, else the one with the largest free run."""
+        pool = job.targets or [n for n in self._segments if n not in self._draining]
+        held = {r[0][0] for r in meta.replicas if len(r) == 1}
+        for name in pool:
+            if name in held and name not in self._draining:
+                return name
+        room = [(self._segments[n].allocator.largest_free, n) for n in pool
+                if n in self._segments and n not in self._draining]
+        best = max(room, default=None)
+        return best[1] if best and best[0] >= meta.nbytes else None
+
+    def batch_replica_clear(self, client_id: str, keys: list[str], segment: str = "") -> list[str]:
+        """Drop ``client_id``'s objects among ``keys`` (``segment`` given: only their replicas
+        there). Leased, in-flight or foreign objects are skipped; returns the keys cleared."""
+        cleared = []
+        with self._lock:
+            now = self._clock()
+            for key in keys:
+                meta = self._objects.get(key) if isinstance(key, str) else None
+                if (meta is None or not meta.complete or meta.owner != client_id
+                        or meta.lease_until > now or meta.pending is not None
+                        or key in self._copies):
+                    continue
+                if not segment:
+                    self._remove(key, meta, force=False)
+                    cleared.append(key)
+                    continue
+                gone = [r for r in meta.replicas if any(s[0] == segment for s in r)]
+                if not gone:
+                    continue
+                meta.replicas = [r for r in meta.replicas if r not in gone]
+                for r in gone:
+                    self._free(r)
+                if not meta.complete:
+                    del self._objects[key]
+                cleared.append(key)
+        return cleared
+
     # -- housekeeping -------------------------------------------------------------------
     def reap(self) -> None:
         """Expire silent clients, discard abandoned puts, free space whose lease ended."""
@@ -496,6 +844,7 @@ class MasterService:
             now = self._clock()
             dead = [c for c in self._clients.values() if now - c.last_seen > self.config.client_ttl_s]
             for c in dead:
+                self.tasks.fail_client(c.client_id, "its client stopped sending heartbeats")
                 log.warning("client %s missed heartbeats for %.1f s: dropping its segments %s",
                             c.client_id, now - c.last_seen, sorted(c.segments))
                 self._drop_segments(set(c.segments))
@@ -513,6 +862,8 @@ class MasterService:
                 else:
                     self._free(r)
             self._deferred = keep
+        self.tasks.expire()
+        self.advance_drains()
 
     def stats(self) -> dict:
         with self._lock:

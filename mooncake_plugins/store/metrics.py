@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 from socketserver import ThreadingMixIn
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from .master import MasterService
@@ -127,8 +127,12 @@ class MetricsServer:
 
 def serve_metrics(service: MasterService, host: str, port: int, *,
                   max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> MetricsServer:
-    """Serve ``/metrics`` for ``service`` on ``host:port`` (0: a free port) in a daemon thread."""
+                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                  wrap: Callable[[Any], Any] | None = None) -> MetricsServer:
+    """Serve ``/metrics`` for ``service`` on ``host:port`` (0: a free port) in a daemon thread.
+
+    ``wrap`` turns the metrics WSGI app into the one served (``admin.admin_app`` adds the
+    admin routes)."""
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
     registry = CollectorRegistry()
@@ -136,7 +140,8 @@ def serve_metrics(service: MasterService, host: str, port: int, *,
     family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                    flags=socket.AI_PASSIVE)[0]
     httpd = _Server((sockaddr[0], port), family, max_connections, idle_timeout_s)
-    httpd.set_app(make_wsgi_app(registry))
+    app = make_wsgi_app(registry)
+    httpd.set_app(wrap(app) if wrap is not None else app)
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
                               name=f"mc-metrics-{httpd.server_address[1]}", daemon=True)
     thread.start()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,7 +28,8 @@ _GATE_WAIT_S = 5.0
 """How long a call that reached a candidate waits for it to become the leader."""
 
 PUT_CONFIG = {"replica_num": int, "preferred_segments": ListOf(str), "with_soft_pin": bool,
-              "upsert": bool}
+              "upsert": bool, "soft_pin_action": str, "soft_pin_ttl_ms": (int, type(None)),
+              "with_hard_pin": bool}
 
 
 def _each(keys: list[str], fn: Callable[[str], Any]) -> list[list]:
@@ -47,7 +49,9 @@ class ServerOptions:
 
     host: str = "127.0.0.1"
     rpc_port: int = 50051
-    metrics_port: int = 0                 # 0: no Prometheus endpoint
+    metrics_port: int | None = None       # metrics + admin HTTP (admin.py); None: none, 0: a free port
+    metrics_host: str | None = None       # None: same as host
+    metric_report_interval_s: float = 0.0  # log a stats line this often; 0: never
     http_metadata_port: int | None = None  # None: no embedded metadata server
     http_metadata_host: str | None = None  # None: same as host
     enable_ha: bool = False
@@ -114,10 +118,15 @@ class MasterServer:
             self._metadata = MetadataServer(opts.http_metadata_host or opts.host,
                                             opts.http_metadata_port).start()
             log.info("embedded metadata server at %s", self._metadata.url)
-        if opts.metrics_port:
+        if opts.metrics_port is not None:
+            from .admin import admin_app
             from .metrics import serve_metrics
 
-            self._metrics = serve_metrics(self.service, opts.host, opts.metrics_port)
+            self._metrics = serve_metrics(self.service, opts.metrics_host or opts.host,
+                                          opts.metrics_port,
+                                          wrap=lambda app: admin_app(self.service, app))
+            log.info("metrics and admin HTTP on %s:%d", opts.metrics_host or opts.host,
+                     self._metrics.port)
         if opts.enable_ha and opts.rpc_port == 0:
             raise NotSupported("HA mode needs a fixed --rpc_port to advertise")
         # Listening before the election is won: clients that read the new leader's address
@@ -149,12 +158,22 @@ class MasterServer:
         if self.lost_leadership.is_set():
             raise NotSupported("this master is not the leader any more")
 
+    @property
+    def metrics_port(self) -> int | None:
+        """Where the metrics/admin HTTP listens (None: it does not)."""
+        return self._metrics.port if self._metrics is not None else None
+
     def _reap_loop(self) -> None:
+        every = self.options.metric_report_interval_s
+        next_report = time.monotonic() + every
         while not self._stop.wait(self.options.reap_interval_s):
             try:
                 self.service.reap()
             except Exception:  # keep reaping whatever one pass hit
                 log.exception("reaper pass failed")
+            if every and time.monotonic() >= next_report:
+                next_report += every
+                log.info("master stats: %s", " ".join(f"{k}={v}" for k, v in self.service.stats().items()))
 
     def _handlers(self) -> dict:
         s = self.service
@@ -164,7 +183,8 @@ class MasterServer:
             s.register_client(client_id, host_id)
             return {"lease_ttl_ms": cfg.default_kv_lease_ttl_ms, "client_ttl_s": cfg.client_ttl_s,
                     "enable_offload": cfg.enable_offload,
-                    "root_fs_dir": cfg.root_fs_dir if cfg.enable_offload else ""}
+                    "root_fs_dir": cfg.root_fs_dir if cfg.enable_offload else "",
+                    "persist_puts": cfg.persist_puts}
 
         def put_start(client_id: str, keys: list, sizes: list, config: dict) -> list:
             if len(keys) != len(sizes):
@@ -174,10 +194,35 @@ class MasterServer:
             it = iter(sizes)
             return _each(keys, lambda k: s.put_start(client_id, k, next(it), pc))
 
+        def heartbeat(client_id: str) -> list[dict]:
+            s.heartbeat(client_id)
+            return s.tasks.take(client_id)  # copy/move tasks this client is to run
+
+        def complete_task(client_id: str, task_id: list, ok: bool, message: str) -> None:
+            s.tasks.complete(client_id, tuple(task_id), ok, message)
+            s.advance_drains()  # a drain's next move starts now, not at the next reaper pass
+
+        def replica_start(client_id: str, key: str, source: str, targets: list, move: bool) -> list:
+            nbytes, src, new = s.replica_start(client_id, key, source, targets, move)
+            return [nbytes, src, new]
+
         cid, keys = {"client_id": str}, {"keys": ListOf(str)}
+        task_id = {"task_id": ListOf(int)}
         return {
             "register_client": ({"client_id": str, "host_id": str}, register_client),
-            "heartbeat": (cid, s.heartbeat),
+            "heartbeat": (cid, heartbeat),
+            "create_copy_task": ({"key": str, "targets": ListOf(str)},
+                                 lambda key, targets: list(s.create_copy_task(key, targets))),
+            "create_move_task": ({"key": str, "source": str, "target": str},
+                                 lambda key, source, target:
+                                 list(s.create_move_task(key, source, target))),
+            "query_task": (task_id, lambda task_id: s.tasks.get(tuple(task_id))),
+            "complete_task": ({**cid, **task_id, "ok": bool, "message": str}, complete_task),
+            "replica_start": ({**cid, "key": str, "source": str, "targets": ListOf(str),
+                               "move": bool}, replica_start),
+            "replica_end": ({**cid, "key": str, "ok": bool}, s.replica_end),
+            "batch_replica_clear": ({**cid, **keys, "segment": str}, self._deleting(
+                lambda client_id, keys, segment: s.batch_replica_clear(client_id, keys, segment))),
             "mount_segment": ({**cid, "segment": str, "base": int, "nbytes": int},
                               lambda client_id, segment, base, nbytes:
                               s.mount_segment(client_id, segment, base, nbytes)),

@@ -37,7 +37,6 @@ from .transports.tcp import TcpServer, TcpTransport
 log = logging.getLogger(__name__)
 
 METADATA_PREFIX = "mooncake/segments/"
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 P2P = "P2PHANDSHAKE"
 MAX_PENDING_NOTIFIES = 65536
 """Notifications kept until ``take_notifies``; a peer sending more is refused (bounded memory)."""
@@ -70,10 +69,11 @@ class _Memfd:
         self.fd = shm.impl.memfd_create(name)
         try:
             os.ftruncate(self.fd, nbytes)
-            # Reserve the pages now: a full /dev/shm fails here with ENOSPC instead of a
-            # SIGBUS on first touch, and peers' first writes do not pay for zeroing pages.
-            os.posix_fallocate(self.fd, 0, nbytes)
-            self.map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED | _POPULATE,
+            # Lazily backed, as malloc'd memory is: a 4 GiB segment costs nothing until
+            # written, and neither this process nor a peer pays for pages never touched.
+            # (A memfd lives on the kernel's internal tmpfs, which has no size limit of its
+            # own, so reserving pages up front would only move an out-of-memory earlier.)
+            self.map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED,
                                  mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             os.close(self.fd)

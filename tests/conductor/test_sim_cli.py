@@ -70,3 +70,16 @@ def test_cli_reports_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[s
     trace.write_text('{"timestamp": 0, "input_length": -3, "output_length": 1, "hash_ids": []}\n')
     assert main([str(trace), "--quiet"]) == 1
     assert f"{trace}:1: input_length" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    trace = _write_trace(tmp_path / "small.jsonl")
+    assert main([str(trace), "--plot", str(tmp_path / "p.png"), "--quiet"]) == 1
+    assert "mooncake_plugins[sim]" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()

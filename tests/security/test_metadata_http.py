@@ -139,3 +139,10 @@ def test_oversized_request_heads_are_refused(server: MetadataServer, head: bytes
 
 def test_the_cli_listens_on_loopback_unless_told_otherwise() -> None:
     assert _parse_args([]).host == "127.0.0.1"
+
+
+def test_health_answers_and_is_no_key(server: MetadataServer) -> None:
+    assert exchange(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").endswith(b"\r\n\r\nOK")
+    assert status_of(exchange(server.port, b"PUT /health HTTP/1.1\r\nHost: x\r\n"
+                                           b"Content-Length: 1\r\n\r\nx")) == 404
+    assert request(server, "GET", "/health")[0] == 404  # a key named /health is just a key

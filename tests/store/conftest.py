@@ -31,7 +31,8 @@ def master_process() -> Iterator:
     procs = []
 
     def start(*flags: str, timeout_s: float = 30) -> tuple[subprocess.Popen, str]:
-        proc, port = spawn_ready(MASTER + ["--rpc_port", "0", *flags], timeout_s=timeout_s)
+        proc, port = spawn_ready(MASTER + ["--rpc_port", "0", "--metrics_port", "0", *flags],
+                                 timeout_s=timeout_s)
         procs.append(proc)
         return proc, f"127.0.0.1:{port}"
 

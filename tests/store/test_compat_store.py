@@ -28,7 +28,8 @@ def test_basic_calls_and_codes(stores):
     assert b.batch_is_exist(["k", "nope"]) == [1, 0]
     assert b.get_size("k") == 5 and b.get_size("nope") == -704
     assert b.get("nope") == b""
-    assert a.put("k", b"again") == -705  # OBJECT_ALREADY_EXISTS
+    assert a.put("k", b"again") == 0 and b.get("k") == b"value"  # kept, as the original
+    assert a.put_batch(["k", "k2"], [b"x", b"y"]) == 0 and b.get("k") == b"value"
     assert a.upsert("k", b"again") == 0 and b.get("k") == b"again"
     assert a.put_parts("p", b"ab", b"cd") == 0 and b.get("p") == b"abcd"
     cfg = ReplicateConfig()
@@ -52,7 +53,7 @@ def test_zero_copy_batches(stores):
     keys = [f"blk{i}" for i in range(16)]
     ptrs = [src.ctypes.data + i * 4096 for i in range(16)]
     assert a.batch_put_from(keys, ptrs, [4096] * 16) == [0] * 16
-    assert a.batch_put_from(keys[:1], ptrs[:1], [4096]) == [-705]
+    assert a.batch_put_from(keys[:1], ptrs[:1], [4096]) == [0]   # exists: kept
     out = [dst.ctypes.data + i * 4096 for i in range(16)]
     assert b.batch_get_into(keys, out, [4096] * 16) == [4096] * 16
     assert np.array_equal(src, dst)
@@ -98,3 +99,39 @@ def test_buffers_and_replica_descriptors(stores):
     assert all(d.is_memory_replica() and not d.is_disk_replica() and not d.is_local_disk_replica()
                for d in desc["r2"])
     assert len(b.get_replica_desc("h")) == 1 and b.get_replica_desc("missing") == []
+
+
+def test_hostname_ports_sizes_and_no_local_buffer(master, metadata_server):
+    a = MooncakeDistributedStore()
+    assert a.setup("localhost", metadata_server.url, "16MB", 0, "tcp", "", master.address) == 0
+    try:
+        host, port = a.get_hostname().split(":")
+        assert host == "localhost" and 12300 <= int(port) <= 14300   # picked, as the original
+        # without a local buffer, copying puts and gets fail; registered buffers still work
+        assert a.put("k", b"v") == -600 and a.put_batch(["k"], [b"v"]) == -600
+        assert a.put_parts("k", b"a", b"b") == -600 and not a.is_exist("k")
+        buf = ctypes.create_string_buffer(b"zero-copy", 64)
+        assert a.register_buffer(ctypes.addressof(buf), 64) == 0
+        assert a.put_from("k", ctypes.addressof(buf), 9) == 0
+        assert a.get("k") == b"" and a.get_into("k", ctypes.addressof(buf) + 32, 32) == 9
+        assert a.unregister_buffer(ctypes.addressof(buf)) == 0
+    finally:
+        a.close()
+    assert MooncakeDistributedStore().setup("localhost", metadata_server.url, "50%", 0, "tcp", "",
+                                            master.address) == -600
+
+
+def test_get_into_ranges(stores):
+    a, b = stores
+    assert a.put("r1", b"0123456789") == 0 and a.put("r2", b"abcdefghij") == 0
+    buf = ctypes.create_string_buffer(16)
+    ptr = ctypes.addressof(buf)
+    assert b.register_buffer(ptr, 16) == 0
+    got = b.get_into_ranges([ptr], [["r1", "r2", "missing"]], [[[0, 4], [8], [12]]],
+                            [[[1, 8], [0], [0]]], [[[3, 2], [4], [1]]])
+    assert got == [[[3, 2], [4], [-704]]]
+    assert buf.raw[:12] == b"123\x0089\x00\x00abcd"
+    bad = b.get_into_ranges([ptr], [["r1", "r1", "r1"]], [[[0], [14], [0, 1]]],
+                            [[[8], [0], [0]]], [[[4], [4], [1]]])
+    assert bad == [[[-600], [-600], [-600, -600]]]   # past the object, the buffer; uneven lists
+    assert b.unregister_buffer(ptr) == 0

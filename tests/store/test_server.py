@@ -95,7 +95,7 @@ def test_cli_flags_metrics_and_embedded_metadata():
 
 def test_json_logs():
     proc = subprocess.Popen([sys.executable, "-m", "mooncake_plugins.cli.master", "--rpc_port", "0",
-                             "--log_format", "json"], stdout=subprocess.PIPE,
+                             "--metrics_port", "0", "--log_format", "json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     try:
         assert proc.stdout.readline().startswith(b"READY ")
@@ -127,7 +127,7 @@ def test_cli_rejects_bad_flags():
 def test_ha_failover_clients_follow_the_leader(etcd_server):
     endpoints = etcd_server.split("://", 1)[1]
     masters = []
-    flags = ["--enable_ha", "--etcd_endpoints", endpoints, "--cluster_id", "ha-test"]
+    flags = ["--enable_ha", "--etcd_endpoints", endpoints, "--cluster_id", "ha-test", "--metrics_port=0"]
     try:
         ports = [free_port(), free_port()]
         first, _ = spawn_ready([sys.executable, "-m", "mooncake_plugins.cli.master",

@@ -4,8 +4,10 @@ Wire protocol (the original Mooncake http metadata server's): one route, ``/meta
 with the key in the ``key`` query parameter.
 
 - ``GET /metadata?key=K``: 200 with the value as body, or 404.
-- ``PUT /metadata?key=K`` with the value as body: 200.
+- ``PUT /metadata?key=K`` with the value as body: 200. A key containing ``rpc_meta`` is
+  written once: the same value again is 200 ("metadata unchanged"), another one 400.
 - ``DELETE /metadata?key=K``: 200, or 404 when the key does not exist.
+- ``GET /health``: 200 ``OK`` (a liveness probe, as the original's master serves).
 - No ``key`` (or an invalid one): 400; any other method: 405; another path: 404.
 - A body over 16 MiB: 413; a malformed ``Content-Length``: 400; none at all: 411.
 - A PUT that would take the stored keys and values (and the bodies being received) over
@@ -29,9 +31,9 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from urllib.parse import parse_qs, quote, urlsplit
 
 import msgpack
@@ -49,6 +51,7 @@ from mooncake_plugins.transfer.metadata.base import (
 _log = logging.getLogger(__name__)
 
 ROUTE = "/metadata"
+HEALTH_ROUTE = "/health"
 LIST_CONTENT_TYPE = "application/msgpack"
 # The largest listing reply, encoded; the server answers 413 beyond it.
 MAX_LIST_NBYTES = 64 * 1024 * 1024
@@ -192,65 +195,118 @@ def _cost(key: str, nbytes: int) -> int:
     return len(key.encode("utf-8")) + nbytes + ENTRY_OVERHEAD_NBYTES
 
 
-class _KVServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer holding the key-value map and its open connections.
+class Refused(MetadataError):
+    """A write the server refuses; ``status`` is the HTTP status it answers with."""
 
-    Handler threads take ``kv_lock`` only around dict operations and the byte counts,
-    and ``_conns_lock`` only around the connection set; the two are never held together.
-    A PUT is admitted only while ``stored_nbytes + reserved_nbytes`` (entries kept, bodies
-    announced and being read) stays within ``max_nbytes``.
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Entries:
+    """The key-value map, its byte accounting and its rules; shared by HTTP and in-process use.
+
+    ``lock`` is taken only around dict operations and the byte counts. A PUT is admitted
+    only while ``stored_nbytes + reserved_nbytes`` (entries kept, bodies announced and
+    being read) stays within ``max_nbytes``. A key containing ``rpc_meta`` (a Transfer
+    Engine's RPC endpoint) is written once: putting the same value again is accepted,
+    another value is refused, as the original's servers do.
+    """
+
+    def __init__(self, max_nbytes: int, strip_keys: bool) -> None:
+        self.kv: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.max_nbytes = max_nbytes
+        self.strip_keys = strip_keys
+        self.stored_nbytes = 0
+        self.reserved_nbytes = 0
+
+    def key(self, raw: str) -> str:
+        """The key a request names: checked, and stripped when ``strip_keys``.
+
+        Raises:
+            InvalidArgument: empty (after stripping) or otherwise invalid.
+        """
+        key = raw.strip() if self.strip_keys else raw
+        check_key(key)
+        return key
+
+    def get(self, key: str) -> bytes | None:
+        with self.lock:
+            return self.kv.get(key)
+
+    def reserve(self, key: str, nbytes: int) -> int:
+        """Reserve room to store ``nbytes`` under ``key`` (replacing its value frees room).
+
+        Returns the bytes reserved: give them to :meth:`commit` or :meth:`unreserve`.
+
+        Raises:
+            Refused: 413, a value over ``MAX_VALUE_NBYTES``; 507, no room left.
+        """
+        if nbytes > MAX_VALUE_NBYTES:
+            raise Refused(413, f"value over {MAX_VALUE_NBYTES} bytes")
+        with self.lock:
+            old = self.kv.get(key)
+            need = max(0, _cost(key, nbytes) - (0 if old is None else _cost(key, len(old))))
+            if self.stored_nbytes + self.reserved_nbytes + need > self.max_nbytes:
+                raise Refused(507, f"the metadata server is full ({self.max_nbytes} bytes "
+                                   "of keys and values); delete stale keys")
+            self.reserved_nbytes += need
+            return need
+
+    def commit(self, key: str, value: bytes, reserved: int) -> bool:
+        """Store ``value``, turning the reservation into stored bytes; False if unchanged.
+
+        Raises:
+            Refused: 400, another value for a write-once (``rpc_meta``) key.
+        """
+        with self.lock:
+            self.reserved_nbytes -= reserved
+            old = self.kv.get(key)
+            if old is not None and "rpc_meta" in key:
+                if old == value:
+                    return False
+                raise Refused(400, "Duplicate rpc_meta key not allowed")
+            self.kv[key] = value
+            freed = 0 if old is None else _cost(key, len(old))
+            self.stored_nbytes += _cost(key, len(value)) - freed
+            return True
+
+    def unreserve(self, reserved: int) -> None:
+        with self.lock:
+            self.reserved_nbytes -= reserved
+
+    def put(self, key: str, value: bytes) -> bool:
+        """Reserve and store in one step (in-process writes); False if unchanged."""
+        return self.commit(key, value, self.reserve(key, len(value)))
+
+    def remove(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+        with self.lock:
+            old = self.kv.pop(key, None)
+            if old is not None:
+                self.stored_nbytes -= _cost(key, len(old))
+        return old is not None
+
+
+class _KVServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer serving one :class:`_Entries` and tracking its open connections.
+
+    Handler threads take ``entries.lock`` and ``_conns_lock`` only briefly, and never
+    together.
     """
 
     daemon_threads = True  # ...and still joined by server_close() (block_on_close)
 
     def __init__(self, address: tuple[str, int], family: socket.AddressFamily,
-                 max_nbytes: int, max_connections: int, idle_timeout_s: float) -> None:
+                 entries: _Entries, max_connections: int, idle_timeout_s: float) -> None:
         self.address_family = family
-        self.kv: dict[str, bytes] = {}
-        self.kv_lock = threading.Lock()
-        self.max_nbytes = max_nbytes
-        self.stored_nbytes = 0
-        self.reserved_nbytes = 0
+        self.entries = entries
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         super().__init__(address, _Handler)
-
-    def reserve(self, key: str, nbytes: int) -> int | None:
-        """Reserve room to store ``nbytes`` under ``key`` (replacing its value frees room).
-
-        Returns the bytes reserved (give them to :meth:`commit` or :meth:`unreserve`), or
-        None when the store has no room.
-        """
-        with self.kv_lock:
-            old = self.kv.get(key)
-            need = max(0, _cost(key, nbytes) - (0 if old is None else _cost(key, len(old))))
-            if self.stored_nbytes + self.reserved_nbytes + need > self.max_nbytes:
-                return None
-            self.reserved_nbytes += need
-            return need
-
-    def commit(self, key: str, value: bytes, reserved: int) -> None:
-        """Store ``value``, turning the reservation into stored bytes."""
-        with self.kv_lock:
-            old = self.kv.get(key)
-            self.kv[key] = value
-            freed = 0 if old is None else _cost(key, len(old))
-            self.stored_nbytes += _cost(key, len(value)) - freed
-            self.reserved_nbytes -= reserved
-
-    def unreserve(self, reserved: int) -> None:
-        with self.kv_lock:
-            self.reserved_nbytes -= reserved
-
-    def remove(self, key: str) -> bool:
-        """Delete ``key``; whether it existed."""
-        with self.kv_lock:
-            old = self.kv.pop(key, None)
-            if old is not None:
-                self.stored_nbytes -= _cost(key, len(old))
-        return old is not None
 
     def process_request(self, request: socket.socket,  # type: ignore[override]
                         client_address: tuple[str, int]) -> None:
@@ -300,6 +356,9 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
 
     def do_GET(self) -> None:
+        if urlsplit(self.path).path == HEALTH_ROUTE:  # liveness probe, as the original's
+            self._reply(200, b"OK")
+            return
         query = self._query()
         if query is None:
             return
@@ -309,8 +368,7 @@ class _Handler(BaseHTTPRequestHandler):
         key = self._key(query)
         if key is None:
             return
-        with self.server.kv_lock:
-            value = self.server.kv.get(key)
+        value = self.server.entries.get(key)
         if value is None:
             self._reply(404, b"metadata not found")
         else:
@@ -324,29 +382,33 @@ class _Handler(BaseHTTPRequestHandler):
         nbytes = self._content_length()
         if nbytes is None:
             return
-        reserved = self.server.reserve(key, nbytes)
-        if reserved is None:
-            self._refuse(507, f"the metadata server is full ({self.server.max_nbytes} bytes "
-                              "of keys and values); delete stale keys".encode())
+        entries = self.server.entries
+        try:
+            reserved = entries.reserve(key, nbytes)
+        except Refused as exc:
+            self._refuse(exc.status, str(exc).encode())
             return
-        stored = False
         try:
             value = self._read_body(nbytes)
-            if value is not None:
-                self.server.commit(key, value, reserved)
-                stored = True
-        finally:
-            if not stored:
-                self.server.unreserve(reserved)
-        if stored:
-            self._reply(200, b"metadata updated")
+            if value is None:
+                entries.unreserve(reserved)
+                return
+        except BaseException:
+            entries.unreserve(reserved)
+            raise
+        try:
+            changed = entries.commit(key, value, reserved)
+        except Refused as exc:
+            self._refuse(exc.status, str(exc).encode())
+            return
+        self._reply(200, b"metadata updated" if changed else b"metadata unchanged")
 
     def do_DELETE(self) -> None:
         query = self._query()
         key = None if query is None else self._key(query)
         if key is None:
             return
-        if self.server.remove(key):
+        if self.server.entries.remove(key):
             self._reply(200, b"metadata deleted")
         else:
             self._reply(404, b"metadata not found")
@@ -362,8 +424,9 @@ class _Handler(BaseHTTPRequestHandler):
         except InvalidArgument as exc:
             self._refuse(400, str(exc).encode())
             return
-        with self.server.kv_lock:  # values are immutable bytes: a snapshot of references
-            items = [(k, v) for k, v in self.server.kv.items() if k.startswith(prefix)]
+        entries = self.server.entries
+        with entries.lock:  # values are immutable bytes: a snapshot of references
+            items = [(k, v) for k, v in entries.kv.items() if k.startswith(prefix)]
         items.sort()
         packer = msgpack.Packer(use_bin_type=True)
         chunks = [packer.pack_array_header(len(items))]
@@ -410,11 +473,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._refuse(400, b"missing key")
             return None
         try:
-            check_key(keys[0])
+            return self.server.entries.key(keys[0])
         except InvalidArgument as exc:
             self._refuse(400, str(exc).encode())
             return None
-        return keys[0]
 
     def _content_length(self) -> int | None:
         """The PUT body's declared length, or answer 4xx and return None."""
@@ -426,11 +488,7 @@ class _Handler(BaseHTTPRequestHandler):
         if len(headers) > 1 or not (text.isascii() and text.isdigit()):
             self._refuse(400, b"bad Content-Length")
             return None
-        nbytes = int(text)
-        if nbytes > MAX_VALUE_NBYTES:
-            self._refuse(413, f"value over {MAX_VALUE_NBYTES} bytes".encode())
-            return None
-        return nbytes
+        return int(text)  # over MAX_VALUE_NBYTES: refused by _Entries.reserve
 
     def _read_body(self, nbytes: int) -> bytes | None:
         """Read the PUT body, or drop a connection that ends before it and return None."""
@@ -489,19 +547,25 @@ class MetadataServer:
             store = from_url(server.url)
 
     ``start``/``stop`` may be called from any thread; ``stop`` blocks until the serving
-    thread and every connection thread have ended.
+    thread and every connection thread have ended. The entries live in this object, not
+    in the listener: :meth:`get`, :meth:`put`, :meth:`delete` and :attr:`entries` work
+    in-process (same rules and limits) whether or not it is serving, and survive a
+    ``stop``/``start``.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  max_nbytes: int = DEFAULT_MAX_STORE_NBYTES,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 strip_keys: bool = False) -> None:
         """Args:
             host: address to listen on; port: TCP port, 0 picks a free one.
             max_nbytes: room for keys and values (each key also costs
                 ``ENTRY_OVERHEAD_NBYTES``); a PUT beyond it gets 507.
             max_connections: connections served at once; more get 503 and are closed.
             idle_timeout_s: a connection that sends nothing for this long is closed.
+            strip_keys: strip whitespace around every key before use (the original's
+                Python server does; a key that is all blanks is then refused).
         """
         if not 0 <= port <= 65535:
             raise InvalidArgument(f"metadata server port must be in 0..65535, got {port}")
@@ -511,7 +575,8 @@ class MetadataServer:
                                   f"idle_timeout_s={idle_timeout_s}")
         self.host = host
         self._port = port
-        self._limits = (max_nbytes, max_connections, idle_timeout_s)
+        self._entries = _Entries(max_nbytes, strip_keys)
+        self._limits = (max_connections, idle_timeout_s)
         self._server: _KVServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -525,7 +590,7 @@ class MetadataServer:
             raise MetadataError(f"metadata server {self.url} is already running")
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         try:
-            server = _KVServer((self.host, self._port), family, *self._limits)
+            server = _KVServer((self.host, self._port), family, self._entries, *self._limits)
         except OSError as exc:
             raise MetadataError(
                 f"metadata server cannot listen on {self.host}:{self._port} "
@@ -545,13 +610,47 @@ class MetadataServer:
         return self._port
 
     @property
+    def serving_thread(self) -> threading.Thread | None:
+        """The thread accepting connections while started, else None."""
+        return self._thread
+
+    @property
     def used_nbytes(self) -> int:
         """What counts against ``max_nbytes`` now: stored entries and bodies being received."""
-        server = self._server
-        if server is None:
-            return 0
-        with server.kv_lock:
-            return server.stored_nbytes + server.reserved_nbytes
+        entries = self._entries
+        with entries.lock:
+            return entries.stored_nbytes + entries.reserved_nbytes
+
+    @property
+    def entries(self) -> Mapping[str, bytes]:
+        """A live, read-only view of the stored keys and values."""
+        return MappingProxyType(self._entries.kv)
+
+    def get(self, key: str) -> bytes | None:
+        """The value under ``key`` (stripped if ``strip_keys``), or None.
+
+        Raises:
+            InvalidArgument: an invalid key.
+        """
+        return self._entries.get(self._entries.key(key))
+
+    def put(self, key: str, value: bytes) -> bool:
+        """Store ``value`` under ``key``, as an HTTP PUT would; False if it was unchanged.
+
+        Raises:
+            InvalidArgument: an invalid key.
+            Refused: a value over 16 MiB (``status`` 413), no room (507), or another value
+                for a write-once ``rpc_meta`` key (400).
+        """
+        return self._entries.put(self._entries.key(key), bytes(value))
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; whether it existed.
+
+        Raises:
+            InvalidArgument: an invalid key.
+        """
+        return self._entries.remove(self._entries.key(key))
 
     @property
     def open_connections(self) -> int:

@@ -115,7 +115,9 @@ class _Mapping:
             if not name.startswith(MEMFD_PREFIX):  # only an engine's own memfds, no other file
                 raise TransferError(f"fd {fd} of pid {pid} is {name!r}, not an engine's memfd")
             self.inode = os.fstat(ofd).st_ino
-            self.map = mmap.mmap(ofd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            # no MAP_POPULATE: first contact with a 64 GiB segment must not build page
+            # tables for all of it; pages fault in as copies touch them
+            self.map = mmap.mmap(ofd, nbytes, mmap.MAP_SHARED,
                                  mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         finally:
             os.close(ofd)
