@@ -33,14 +33,16 @@ class _TensorMethods:
     # -- writes ---------------------------------------------------------------------------
     def _write(self, what: str, keys: Sequence[str], blobs: Sequence[Any], config: Any = None,
                upsert: bool = False) -> list[int]:
-        """Store encoded objects (a blob may be an error code instead); codes per key."""
+        """Store encoded objects: a blob is a buffer, a list of buffers gathered into one
+        object, or an error code; codes per key."""
         codes = [b if isinstance(b, int) else 0 for b in blobs]
         todo = [i for i, b in enumerate(blobs) if not isinstance(b, int)]
         if not todo:
             return codes
+        parts = [blobs[i] if isinstance(blobs[i], list) else [blobs[i]] for i in todo]
         try:
-            errors = self.client.batch_put([keys[i] for i in todo], [blobs[i] for i in todo],
-                                           self._cfg(config), upsert)
+            errors = self.client.batch_put_parts([keys[i] for i in todo], parts,
+                                                 self._cfg(config), upsert)
         except MooncakeError as exc:
             log.error("%s failed: %s", what, exc)
             errors = [exc] * len(todo)
@@ -50,9 +52,10 @@ class _TensorMethods:
 
     @staticmethod
     def _encode(key: str, tensor: Any, header: T.TensorHeader | None = None) -> Any:
-        """The object bytes of ``tensor``, or the code of why it cannot be stored."""
+        """The object's parts (header, data) for ``tensor``, or the code of why it cannot be
+        stored."""
         try:
-            return T.encode(tensor, header)
+            return T.encode_parts(tensor, header)
         except MooncakeError as exc:
             log.error("tensor for %r: %s", key, exc)
             return to_code(exc)
@@ -181,7 +184,7 @@ class _TensorMethods:
         blobs: list[Any] = []
         for key, tensor in zip(keys, tensors):
             try:
-                parts = [T.encode(p, h) for _, p, h in P.tp_shards(tensor, tp_size, split_dim)]
+                parts = [T.encode_parts(p, h) for _, p, h in P.tp_shards(tensor, tp_size, split_dim)]
             except (MooncakeError, AttributeError) as exc:
                 log.error("%s %r: %s", what, key, exc)
                 parts = [_INVALID] * tp_size

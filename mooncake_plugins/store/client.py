@@ -321,13 +321,23 @@ class StoreClient:
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None,
                   upsert: bool = False) -> None:
         """Store the concatenation of ``parts`` as one object."""
-        views = [memoryview(p).cast("B") for p in parts]
-        joined = bytearray(sum(v.nbytes for v in views))
-        off = 0
-        for v in views:
-            joined[off:off + v.nbytes] = v
-            off += v.nbytes
-        self._raise(self.batch_put([key], [joined], config, upsert)[0])
+        self._raise(self.batch_put_parts([key], [parts], config, upsert)[0])
+
+    def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]],
+                        config: ReplicateConfig | None = None,
+                        upsert: bool = False) -> list[StoreError | None]:
+        """Put objects each the concatenation of several buffers, gathered straight into
+        the segment (no joined copy first); per-key errors (None = ok)."""
+        if len(keys) != len(parts):
+            raise InvalidParams("keys and parts differ in length")
+        regions: list[Any] = []
+        try:
+            pieces = [[self._stage(p, regions) for p in ps] for ps in parts]
+            return self.batch_put_from_parts(keys, [[(a, n) for a, n in ps if n] for ps in pieces],
+                                             config, upsert)
+        finally:
+            for r in regions:
+                self.engine.unregister(r)
 
     def batch_put(self, keys: Sequence[str], values: Sequence[Any],
                   config: ReplicateConfig | None = None, upsert: bool = False) -> list[StoreError | None]:

@@ -229,6 +229,20 @@ def encode(tensor: Any, header: TensorHeader | None = None) -> bytearray:
     return out
 
 
+def encode_parts(tensor: Any, header: TensorHeader | None = None) -> list[Any]:
+    """``[header, data]`` of ``tensor`` for a gathered put (``batch_put_parts``): the data
+    part is the tensor's own memory when it is a contiguous CPU tensor, so the elements are
+    copied once, into the segment; any other tensor is :func:`encode`-d (one copy here)."""
+    if not hasattr(tensor, "dtype") or not hasattr(tensor, "element_size"):
+        raise InvalidParams(f"expected a torch tensor, got {type(tensor).__name__}")
+    header = header or header_of(tensor)
+    t = tensor.detach()
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg() \
+            or header.data_bytes == 0:
+        return [encode(tensor, header)]
+    return [pack_header(header), t.reshape(-1).view(torch().uint8).numpy()]
+
+
 def decode(buf: Any, total: int | None = None, copy: bool = True) -> Any:
     """The tensor in a ``[header | data]`` object. ``copy=False`` returns a tensor over
     ``buf``'s memory (it must be writable), as ``get_tensor_into`` does."""

@@ -7,6 +7,7 @@ before ``Peer._lock``; RegionTable and Batch locks are leaves.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import mmap
@@ -62,17 +63,29 @@ class ManagedBuffer:
         return memory.view_of(self.region.keepalive, self.address, self.nbytes)
 
 
+_libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL around each call
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and pages fault lazily
+_PREFAULT_CHUNK = 8 << 20
+
+
 class _Memfd:
-    """An anonymous shared-memory file mapped in this process."""
+    """An anonymous shared-memory file mapped in this process.
+
+    Its pages are faulted in ahead of use: up to one chunk at once, the rest by a background
+    thread, chunk by chunk (``close`` stops it). Creating a 64 GiB segment returns at once,
+    and the first writes, this process's or a peer's, find the pages already there instead
+    of paying for zeroing them.
+    """
 
     def __init__(self, name: str, nbytes: int) -> None:
         self.fd = shm.impl.memfd_create(name)
         try:
             os.ftruncate(self.fd, nbytes)
-            # Lazily backed, as malloc'd memory is: a 4 GiB segment costs nothing until
-            # written, and neither this process nor a peer pays for pages never touched.
-            # (A memfd lives on the kernel's internal tmpfs, which has no size limit of its
-            # own, so reserving pages up front would only move an out-of-memory earlier.)
+            # No fallocate or MAP_POPULATE here: they would make the caller wait for every
+            # page (seconds for a large segment). A memfd lives on the kernel's internal
+            # tmpfs, which has no size limit of its own, so reserving pages up front would
+            # only move an out-of-memory earlier.
             self.map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED,
                                  mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
@@ -80,9 +93,32 @@ class _Memfd:
             raise MemoryError(f"cannot reserve {nbytes} bytes of shared memory ({exc}); "
                               f"free memory or lower the segment size") from exc
         self.export = memory.Export(self.map, True)
+        self._stop_prefault = threading.Event()
+        self._prefault_thread: threading.Thread | None = None
+        if nbytes <= _PREFAULT_CHUNK:
+            self._prefault(0, nbytes)
+        else:
+            self._prefault_thread = threading.Thread(
+                target=self._prefault_all, args=(nbytes,), name=f"mc-prefault-{self.fd}",
+                daemon=True)
+            self._prefault_thread.start()
+
+    def _prefault(self, offset: int, nbytes: int) -> bool:
+        """Fault ``nbytes`` at ``offset`` in, writable (contents untouched); False if the
+        kernel cannot (too old, or out of memory: those pages then fault on first use)."""
+        return _libc.madvise(self.export.address + offset, nbytes, _MADV_POPULATE_WRITE) == 0
+
+    def _prefault_all(self, nbytes: int) -> None:
+        for offset in range(0, nbytes, _PREFAULT_CHUNK):
+            if self._stop_prefault.is_set() or \
+                    not self._prefault(offset, min(_PREFAULT_CHUNK, nbytes - offset)):
+                return
 
     def close(self) -> None:
         """Unmap, or leave the mapping to the last user view of it (see ManagedBuffer.view)."""
+        self._stop_prefault.set()
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()  # at most one chunk's madvise away
         self.export.release()
         try:
             self.map.close()

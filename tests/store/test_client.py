@@ -36,6 +36,25 @@ def test_round_trips_of_every_shape(pair):
     assert b.batch_exists(["bytes", "nope"]) == [True, False]
 
 
+def test_batch_put_parts_gathers_without_joining(pair):
+    a, b = pair
+    arr = np.arange(256, dtype=np.uint8)
+    reg = np.zeros(64, dtype=np.uint8)
+    reg[:] = 7
+    a.register_buffer(reg.ctypes.data, reg.nbytes)  # a part inside user-registered memory
+    try:
+        errors = a.batch_put_parts(["p1", "p2", "p3"],
+                                   [[b"h", arr, b""], [arr[10:20], arr[:5]], [reg[8:16], b"t"]])
+    finally:
+        a.unregister_buffer(reg.ctypes.data)
+    assert errors == [None, None, None]
+    assert b.get("p1") == b"h" + arr.tobytes()
+    assert b.get("p2") == arr[10:20].tobytes() + arr[:5].tobytes()  # one buffer, two parts
+    assert b.get("p3") == b"\x07" * 8 + b"t"
+    with pytest.raises(InvalidParams):
+        a.batch_put_parts(["x"], [])
+
+
 def test_zero_copy_from_and_into_registered_buffers(pair):
     a, b = pair
     src = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8)

@@ -242,13 +242,25 @@ class DummyClient:
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None,
                   upsert: bool = False) -> None:
         """Store the concatenation of ``parts`` as one object."""
-        sources = [memory.address_of(p) for p in parts]
-        with self._staging([sum(n for _, n in sources)]) as (dst,):
-            off = dst
-            for address, n in sources:
-                memory.copy(off, address, n)
-                off += n
-            StoreClient._raise(self.batch_put_from([key], [dst], [off - dst], config, upsert)[0])
+        StoreClient._raise(self.batch_put_parts([key], [parts], config, upsert)[0])
+
+    def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]],
+                        config: ReplicateConfig | None = None,
+                        upsert: bool = False) -> list[StoreError | None]:
+        """Each object's parts are copied once, joined, into shared memory."""
+        if len(keys) != len(parts):
+            raise InvalidParams("keys and parts differ in length")
+        sources = [[memory.address_of(p) for p in ps] for ps in parts]
+        sizes = [sum(n for _, n in src) for src in sources]
+        with self._staging(sizes) as addrs:
+            copies = []
+            for dst, src in zip(addrs, sources):
+                for address, n in src:
+                    if n:
+                        copies.append((dst, address, n))
+                    dst += n
+            memory.copy_many(copies)
+            return self.batch_put_from(keys, addrs, sizes, config, upsert)
 
     def batch_put(self, keys: Sequence[str], values: Sequence[Any],
                   config: ReplicateConfig | None = None, upsert: bool = False) -> list[StoreError | None]:
