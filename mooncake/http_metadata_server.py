@@ -11,6 +11,7 @@ server's key rule (keys are stripped of surrounding blanks). ``main`` is the
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import signal
 import sys
@@ -65,7 +66,7 @@ class KVBootstrapServer:
 
     @property
     def store(self) -> Mapping[str, bytes]:
-        """The stored keys and values (a live, read-only view)."""
+        """The stored keys and values (a read-only snapshot)."""
         return self._server.entries
 
     def run(self) -> threading.Thread | None:
@@ -128,6 +129,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Serve until SIGINT/SIGTERM; exit status 1 if the address cannot be bound."""
     args = parse_args(argv)
@@ -141,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _on_signal)
+    if not _is_loopback(args.host):
+        # the original's default, kept for drop-in use; nothing on this port is authenticated
+        log.warning("listening on %s: any host that reaches this port can read and change "
+                    "the metadata; keep it on a private network, or pass --host 127.0.0.1",
+                    args.host)
     server = KVBootstrapServer(port=args.port, host=args.host)
     if server.run() is None:
         return 1

@@ -2,8 +2,9 @@
 
 Owns the transfer engine and the ``--global_segment_size`` bytes it contributes to the
 pool, registers with the master, and serves ``MooncakeDistributedStore.setup_dummy``
-clients of this machine on ``--port`` (flags named as the original's; gflags spellings
-such as ``-port=50052`` work too). Prints ``READY <port>`` once serving, then serves until
+clients of this machine on ``--rpc_host:--port``, loopback by default (flags named as the
+original's, which binds that port on ``--host``; gflags spellings such as ``-port=50052``
+work too). Prints ``READY <port>`` once serving, then serves until
 SIGTERM/SIGINT, and unmounts its segment on the way out (a SIGTERM before
 READY ends the process at once).
 """
@@ -54,8 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     flag = lambda name, **kw: ap.add_argument(f"--{name}", **kw)  # noqa: E731
     b = dict(type=_bool, nargs="?", const=True, default=False)
-    flag("host", default="0.0.0.0", help="address to serve on; also the engine's hostname")
+    flag("host", default="0.0.0.0", help="the transfer engine's hostname (its data port)")
     flag("port", type=int, default=DEFAULT_PORT, help="port the dummy clients connect to")
+    flag("rpc_host", default="127.0.0.1",
+         help="address the dummy clients' RPC listens on (default: loopback only; dummies "
+              "run on this machine). The RPC is unauthenticated and can remove every object "
+              "(docs/trust-model.md): to expose it, pass a private interface's address, or "
+              "0.0.0.0 for all interfaces, behind a firewall")
     flag("metadata_server", default="http://127.0.0.1:8080/metadata")
     flag("master_server_address", default="127.0.0.1:50051")
     flag("protocol", default="tcp", help="tcp (same-host peers use shared memory); rdma falls back to tcp")
@@ -87,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     if protocol == "rdma":
         log.warning("rdma is not available on this build: using tcp (and shm on one host)")
         protocol = "tcp"
-    # Until serving, SIGTERM keeps its default action: setting up the segment can take
-    # seconds (its pages are reserved up front), and a stop request must not wait for it.
+    # Until serving, SIGTERM keeps its default action. Setup itself is quick (segments are
+    # created lazily and prefaulted in the background: READY comes ~30 ms after the
+    # imports, 64 MB or 16 GB alike), but it may wait up to the RPC timeout (10 s) on a
+    # master that accepts and does not answer, and a stop request must not wait for that.
+    # Ending there is a kill -9 to the master: a mounted segment goes with its heartbeats.
     try:
         client = StoreClient(args.master_server_address, local_hostname=args.host,
                              metadata_server=args.metadata_server,
@@ -97,16 +106,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot set up the store client: {exc}", file=sys.stderr)
         return 1
     try:
-        host = DummyHost(client, args.host, args.port)
+        host = DummyHost(client, args.rpc_host, args.port)
     except (MooncakeError, OSError) as exc:
-        print(f"cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(f"cannot serve on {args.rpc_host}:{args.port}: {exc}", file=sys.stderr)
         client.close()
         return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        log.info("serving dummy clients on %s:%d (segment %s)", args.host, host.port,
+        log.info("serving dummy clients on %s:%d (segment %s)", args.rpc_host, host.port,
                  client.segment_name)
         print(f"READY {host.port}", flush=True)
         while not stop.wait(0.5):

@@ -7,7 +7,9 @@ task id ``(0, 0)`` on failure; ``query_task`` returns ``(QueryTaskResponse | Non
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
+import re
 from typing import TYPE_CHECKING, Sequence
 
 from ..errors import MooncakeError
@@ -39,8 +41,18 @@ class TaskStatus(enum.IntEnum):
         return f"TaskStatus.{self.name}"
 
 
-def _uuid_pair(hex_id: str) -> tuple[int, int]:
-    n = int(hex_id, 16) if hex_id else 0
+_UUID_HEX = re.compile(r"[0-9a-fA-F]{1,32}")
+
+
+def _uuid_pair(client_id: str) -> tuple[int, int]:
+    """The original's ``(high, low)`` UUID of a client id: our clients' ids are 32 hex
+    digits; any other id (clients choose their own) maps to a stable 128-bit hash of it."""
+    if not client_id:
+        return 0, 0
+    if _UUID_HEX.fullmatch(client_id):
+        n = int(client_id, 16)
+    else:
+        n = int.from_bytes(hashlib.blake2b(client_id.encode(), digest_size=16).digest(), "big")
     return n >> 64, n & ((1 << 64) - 1)
 
 

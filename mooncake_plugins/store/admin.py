@@ -16,11 +16,14 @@ Every other path answers the Prometheus metrics (``metrics.py``). A failure repl
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs
 
 from ..errors import InvalidParams, MooncakeError, StoreError
 from .master import MasterService
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_NBYTES = 1 << 20
 
@@ -47,6 +50,8 @@ def _body(environ: dict) -> dict:
         doc = json.loads(environ["wsgi.input"].read(n) or b"{}")
     except ValueError as exc:
         raise InvalidParams(f"invalid JSON body: {exc}") from None
+    except RecursionError:
+        raise InvalidParams("invalid JSON body: nested too deeply") from None
     if not isinstance(doc, dict):
         raise InvalidParams("the body must be a JSON object")
     return doc
@@ -112,6 +117,7 @@ def admin_app(service: MasterService, metrics_app: WsgiApp) -> WsgiApp:
             return _reply(start, "200 OK", payload)
         except MooncakeError as exc:
             code = exc.code if isinstance(exc, StoreError) else -1
+            log.warning("admin %s %s refused: %s", method, path, exc)
             return _reply(start, _HTTP_STATUS.get(code, "500 Internal Server Error"),
                           {"success": False, "error_code": code, "error_message": str(exc)})
 

@@ -149,6 +149,7 @@ class StoreClient:
         self._stop = threading.Event()
         self._segment = None
         self._task_runner: ThreadPoolExecutor | None = None   # copy/move tasks from the master
+        self._task_lock = threading.Lock()   # guards _task_runner against close()
         try:
             if engine is None:
                 cfg = EngineConfig.from_env()
@@ -277,10 +278,14 @@ class StoreClient:
     def _start_tasks(self, tasks: list[dict]) -> None:
         from .tasks import run_task
 
-        if self._task_runner is None:
-            self._task_runner = ThreadPoolExecutor(2, thread_name_prefix="mc-store-task")
-        for t in tasks:
-            self._task_runner.submit(run_task, self, t)
+        with self._task_lock:
+            if self._closed:
+                log.info("closing: %d copy/move tasks left to time out on the master", len(tasks))
+                return
+            if self._task_runner is None:
+                self._task_runner = ThreadPoolExecutor(2, thread_name_prefix="mc-store-task")
+            for t in tasks:
+                self._task_runner.submit(run_task, self, t)
 
     def call_master(self, method: str, **args: Any) -> Any:
         """One RPC to the master (re-registering first if it forgot this client)."""
@@ -698,7 +703,24 @@ class StoreClient:
                     self.engine.unregister(region)
             ok = True
         finally:
-            self._call("replica_end", client_id=self.client_id, key=key, ok=ok)
+            self._end_copy(key, ok)
+
+    def _end_copy(self, key: str, ok: bool, attempts: int = 3) -> None:
+        """``replica_end``, retried while the master is unreachable (else the copy stays
+        reserved until its deadline there). Ending a failed copy only logs its own failure,
+        so that the copy's error is the one raised."""
+        for attempt in range(1, attempts + 1):
+            try:
+                self._call("replica_end", client_id=self.client_id, key=key, ok=ok)
+                return
+            except StoreError as exc:
+                retry = isinstance(exc, RpcFailed) and attempt < attempts
+                if retry and not self._stop.wait(0.2 * attempt):
+                    continue
+                if ok:
+                    raise
+                log.warning("could not end the failed copy of %r: %s", key, exc)
+                return
 
     def batch_replica_clear(self, keys: Sequence[str], segment: str = "") -> list[str]:
         """Drop this client's objects among ``keys`` (only their replicas on ``segment``
@@ -719,8 +741,10 @@ class StoreClient:
         self._closed = True
         self._stop.set()
         self._heartbeat.join(5)
-        if self._task_runner is not None:
-            self._task_runner.shutdown(wait=True, cancel_futures=True)
+        with self._task_lock:  # no runner is created after this
+            runner, self._task_runner = self._task_runner, None
+        if runner is not None:
+            runner.shutdown(wait=True, cancel_futures=True)
         if self._offloader is not None:
             self._offloader.shutdown(wait=True)  # its last writes still report to the master
         if self._segment is not None:

@@ -30,7 +30,7 @@ from typing import Callable
 
 from ..errors import (ClientNotFound, InvalidKey, InvalidParams, JobNotFound, NoAvailableSpace,
                       ObjectAlreadyExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
-                      SegmentAlreadyExists, StoreError, StoreSegmentNotFound,
+                      SegmentAlreadyExists, StoreError, StoreSegmentNotFound, TaskLimitExceeded,
                       UnavailableInCurrentStatus, store_error)
 from .allocation import STRATEGIES, MountedSegment, order_segments
 from .offload import relative_name
@@ -144,7 +144,8 @@ class ObjectMeta:
     pending_nbytes: int = 0
     writer: str = ""
     started: float = 0.0
-    lease_until: float = 0.0
+    lease_until: float = 0.0        # no replica byte is freed before (readers and copiers)
+    read_until: float = 0.0         # the latest lease granted to a reader
     soft_pin_until: float = 0.0
     pending_pin_ttl_ms: int | None = None   # applied at put_end (PutConfig.pin_ttl_ms)
     hard_pinned: bool = False
@@ -165,6 +166,7 @@ class ReplicaCopy:
     source: MemoryReplica
     new: list[MemoryReplica]
     drop_segment: str | None    # a move: the source segment, whose replica goes at the end
+    deadline: float             # monotonic: cancelled when replica_end has not come by then
 
 
 @dataclass(eq=False)
@@ -202,9 +204,13 @@ class MasterService:
         self._deferred: list[tuple[float, MemoryReplica]] = []        # freed after a lease ends
         self._rng = random.Random()
         self._copies: dict[str, ReplicaCopy] = {}                    # by key, one at a time
+        # cancelled copies whose writer may still be filling their new replicas: the space
+        # stays reserved until their replica_end or deadline
+        self._cancelled: list[tuple[str, ReplicaCopy]] = []
         self._draining: set[str] = set()                             # segments taking no new data
         self._drained: set[str] = set()                              # ... and holding none
         self._drains: dict[str, DrainJob] = {}
+        self.max_finished_drains = 1000                              # oldest finished ones forgotten
         c = self.config
         self.tasks = TaskQueue(max_pending=c.max_pending_tasks, max_finished=c.max_finished_tasks,
                                pending_timeout_s=c.task_pending_timeout_s or math.inf,
@@ -265,6 +271,9 @@ class MasterService:
         for key, cp in list(self._copies.items()):
             if self._on(cp.source, names) or any(self._on(r, names) for r in cp.new):
                 self._cancel_copy(key)
+        for _, cp in self._cancelled:  # their space there went with the segment
+            kept = [[s for s in r if s[0] not in names] for r in cp.new]
+            cp.new = [r for r in kept if r]
         self._draining -= names
         self._drained -= names
         deferred = [(t, [s for s in r if s[0] not in names]) for t, r in self._deferred]
@@ -518,8 +527,8 @@ class MasterService:
                         err = exc
                     out.append([err.code, str(err)])
                     continue
-                if meta.lease_until < until:
-                    meta.lease_until = until
+                meta.lease_until = max(meta.lease_until, until)
+                meta.read_until = max(meta.read_until, until)
                 self._objects.move_to_end(key)
                 out.append([0, [meta.nbytes, meta.replicas, meta.disk_name, ttl]])
             self.counters["gets"] += len(keys)
@@ -625,17 +634,20 @@ class MasterService:
     def replica_start(self, client_id: str, key: str, source: str, targets: list[str],
                       move: bool) -> tuple[int, MemoryReplica, list[MemoryReplica]]:
         """Reserve a replica of ``key`` on each target that has none yet, for ``client_id``
-        to fill from its replica on ``source``; the object is leased meanwhile.
+        to fill from its replica on ``source``; the object is leased meanwhile. A copy whose
+        replica_end has not come within ``put_start_discard_timeout_s`` is cancelled.
 
         Returns:
             (nbytes, source replica, new replicas in the order of the targets that need one).
         Raises:
-            ObjectNotFound, InvalidParams, ObjectAlreadyExists (a copy of it is running),
-            NoAvailableSpace, UnavailableInCurrentStatus.
+            ObjectNotFound, InvalidParams, ObjectAlreadyExists (a copy of it is running, or
+            a cancelled one of this client is still finishing), NoAvailableSpace,
+            UnavailableInCurrentStatus.
         """
         with self._lock:
             meta = self._complete(key)
-            if key in self._copies:
+            if key in self._copies or any(k == key and cp.client_id == client_id
+                                          for k, cp in self._cancelled):
                 raise ObjectAlreadyExists(f"another copy of {key!r} is running")
             src = next((r for r in meta.replicas if any(s[0] == source for s in r)), None)
             if src is None:
@@ -655,22 +667,31 @@ class MasterService:
                 for r in new:
                     self._free(r)
                 raise
-            self._copies[key] = ReplicaCopy(client_id, src, new, source if move else None)
-            meta.lease_until = max(meta.lease_until,
-                                   self._clock() + self.config.put_start_discard_timeout_s)
+            deadline = self._clock() + self.config.put_start_discard_timeout_s
+            self._copies[key] = ReplicaCopy(client_id, src, new, source if move else None, deadline)
+            meta.lease_until = max(meta.lease_until, deadline)
             return meta.nbytes, src, new
 
     def replica_end(self, client_id: str, key: str, ok: bool) -> None:
         """Publish (``ok``) or drop the replicas ``replica_start`` reserved; a move also
-        drops the source replica. Raises ObjectNotFound when the copy was cancelled (the
-        object was removed or replaced, or a segment went away meanwhile)."""
+        drops the source replica (after the readers' leases). Raises ObjectNotFound when
+        the copy was cancelled (the object was removed or replaced, a segment went away,
+        its task failed or its deadline passed): its replicas are freed, never published."""
         with self._lock:
             cp = self._copies.get(key)
             if cp is None or cp.client_id != client_id:
+                gone = next((c for k, c in self._cancelled if k == key and c.client_id == client_id),
+                            None)
+                if gone is not None:
+                    self._cancelled = [(k, c) for k, c in self._cancelled if c is not gone]
+                    for r in gone.new:
+                        self._free(r)
                 raise ObjectNotFound(f"no copy of {key!r} by {client_id!r} is running (cancelled?)")
             del self._copies[key]
             meta = self._objects[key]
-            meta.lease_until = self._clock()
+            # the copy's own lease ends; readers' (and cancelled copiers') leases stay
+            meta.lease_until = max([meta.read_until, self._clock()]
+                                   + [c.deadline for k, c in self._cancelled if k == key])
             if not ok:
                 for r in cp.new:
                     self._free(r)
@@ -682,11 +703,37 @@ class MasterService:
                 self._free_after_lease(meta, gone)
 
     def _cancel_copy(self, key: str) -> None:
-        """Forget a running copy of ``key``; its new replicas are freed (gone segments skipped)."""
+        """Stop a running copy of ``key``: it is never published. Its new replicas stay
+        reserved until its replica_end or deadline, since its writer may still be filling them."""
         cp = self._copies.pop(key, None)
         if cp is not None:
-            for r in cp.new:
-                self._free(r)
+            self._cancelled.append((key, cp))
+
+    def _cancel_copies(self, now: float, expired: set[tuple[str, str]], dead: set[str]) -> None:
+        """Cancel copies past their deadline, by a client in ``dead`` or of an
+        ``expired`` (client id, key) task; free cancelled ones past their deadline."""
+        for key, cp in list(self._copies.items()):
+            if cp.deadline <= now or cp.client_id in dead or (cp.client_id, key) in expired:
+                log.warning("cancelling the copy of %r by %s", key, cp.client_id)
+                self._cancel_copy(key)
+        keep = []
+        for key, cp in self._cancelled:
+            if cp.deadline > now:
+                keep.append((key, cp))
+            else:
+                for r in cp.new:
+                    self._free(r)
+        self._cancelled = keep
+
+    def complete_task(self, client_id: str, task_id: TaskId, ok: bool, message: str) -> None:
+        """Record the outcome ``client_id`` reports for its task; a failed one's copy is
+        cancelled. Raises TaskNotFound, InvalidParams (not that client's running task)."""
+        with self._lock:
+            key = self.tasks.complete(client_id, task_id, ok, message)
+            cp = self._copies.get(key)
+            if not ok and cp is not None and cp.client_id == client_id:
+                self._cancel_copy(key)
+        self.advance_drains()  # a drain's next move starts now, not at the next reaper pass
 
     def set_draining(self, segments: list[str], draining: bool) -> None:
         """Stop (or resume) placing new replicas on ``segments``. Raises StoreSegmentNotFound."""
@@ -738,6 +785,7 @@ class MasterService:
                 raise UnavailableInCurrentStatus(f"drain job {job_id} is finished already")
             job.status, job.updated_ms = JOB_CANCELED, int(time.time() * 1000)
             self._draining.difference_update(job.segments)
+            self._prune_drains()
 
     def _job(self, job_id: str) -> DrainJob:
         job = self._drains.get(job_id)
@@ -758,6 +806,13 @@ class MasterService:
             for job in self._drains.values():
                 if not job.finished:
                     self._advance(job)
+            self._prune_drains()
+
+    def _prune_drains(self) -> None:
+        """Forget the oldest finished drain jobs beyond ``max_finished_drains``."""
+        finished = [i for i, job in self._drains.items() if job.finished]
+        for job_id in finished[:max(0, len(finished) - self.max_finished_drains)]:
+            del self._drains[job_id]
 
     def _advance(self, job: DrainJob) -> None:
         for tid, key in list(job.active.items()):
@@ -788,7 +843,10 @@ class MasterService:
                 job.failed_units += 1
                 job.failed_keys.add(key)
                 continue
-            job.active[self.tasks.submit(MOVE, key, on[0], [target], self._owner_of(on[0]))] = key
+            try:
+                job.active[self.tasks.submit(MOVE, key, on[0], [target], self._owner_of(on[0]))] = key
+            except TaskLimitExceeded:
+                break  # the task queue is full: the next pass submits the rest
         job.updated_ms = int(time.time() * 1000)
         if not left and not job.active:
             job.status = JOB_FAILED if job.failed_units else JOB_SUCCEEDED
@@ -839,10 +897,12 @@ class MasterService:
 
     # -- housekeeping -------------------------------------------------------------------
     def reap(self) -> None:
-        """Expire silent clients, discard abandoned puts, free space whose lease ended."""
+        """Expire silent clients and tasks, cancel copies that did not end in time, discard
+        abandoned puts, free space whose lease ended, advance drains."""
         with self._lock:
             now = self._clock()
             dead = [c for c in self._clients.values() if now - c.last_seen > self.config.client_ttl_s]
+            self._cancel_copies(now, set(self.tasks.expire()), {c.client_id for c in dead})
             for c in dead:
                 self.tasks.fail_client(c.client_id, "its client stopped sending heartbeats")
                 log.warning("client %s missed heartbeats for %.1f s: dropping its segments %s",
@@ -862,7 +922,6 @@ class MasterService:
                 else:
                     self._free(r)
             self._deferred = keep
-        self.tasks.expire()
         self.advance_drains()
 
     def stats(self) -> dict:

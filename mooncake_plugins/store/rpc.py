@@ -64,6 +64,14 @@ def _check(value: Any, spec: Any, where: str) -> None:
     elif spec is int:
         if not isinstance(value, int) or isinstance(value, bool) or not -(1 << 63) <= value < (1 << 64):
             raise ProtocolError(f"{where} must be an int")
+    elif isinstance(spec, tuple):  # any one of these specs (so int there refuses bool too)
+        for option in spec:
+            try:
+                _check(value, option, where)
+                return
+            except ProtocolError:
+                continue
+        raise ProtocolError(f"{where} must be one of {[getattr(o, '__name__', o) for o in spec]}")
     elif not isinstance(value, spec):
         raise ProtocolError(f"{where} must be {getattr(spec, '__name__', spec)}")
 

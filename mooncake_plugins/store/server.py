@@ -199,8 +199,7 @@ class MasterServer:
             return s.tasks.take(client_id)  # copy/move tasks this client is to run
 
         def complete_task(client_id: str, task_id: list, ok: bool, message: str) -> None:
-            s.tasks.complete(client_id, tuple(task_id), ok, message)
-            s.advance_drains()  # a drain's next move starts now, not at the next reaper pass
+            s.complete_task(client_id, tuple(task_id), ok, message)
 
         def replica_start(client_id: str, key: str, source: str, targets: list, move: bool) -> list:
             nbytes, src, new = s.replica_start(client_id, key, source, targets, move)

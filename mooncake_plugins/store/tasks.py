@@ -111,7 +111,8 @@ class TaskQueue:
                     out.append(t.to_wire())
             return out
 
-    def complete(self, client_id: str, task_id: TaskId, ok: bool, message: str) -> None:
+    def complete(self, client_id: str, task_id: TaskId, ok: bool, message: str) -> str:
+        """Finish ``client_id``'s running task; returns the task's key."""
         with self._lock:
             task = self._tasks.get(tuple(task_id))  # type: ignore[arg-type]
             if task is None:
@@ -119,6 +120,7 @@ class TaskQueue:
             if task.client_id != client_id or task.status != PROCESSING:
                 raise InvalidParams(f"task {task.id} is not being run by client {client_id}")
             self._finish(task, SUCCESS if ok else FAILED, message)
+            return task.key
 
     def _finish(self, task: Task, status: int, message: str) -> None:
         task.status, task.message = status, message
@@ -135,13 +137,16 @@ class TaskQueue:
                 if t.client_id == client_id and t.status in (PENDING, PROCESSING):
                     self._finish(t, FAILED, why)
 
-    def expire(self) -> None:
-        """Fail tasks that waited or ran past their timeout."""
+    def expire(self) -> list[tuple[str, str]]:
+        """Fail tasks that waited or ran past their timeout; returns their (client id, key)."""
         with self._lock:
             now = self._clock()
+            expired = []
             for t in list(self._tasks.values()):
                 if t.status in (PENDING, PROCESSING) and now > t.deadline:
                     self._finish(t, FAILED, f"timed out while {STATUS_NAMES[t.status]}")
+                    expired.append((t.client_id, t.key))
+            return expired
 
     def unfinished(self) -> int:
         with self._lock:
@@ -153,14 +158,14 @@ def run_task(client: StoreClient, task: dict) -> None:
     ok, message = True, ""
     try:
         client.copy_replicas(task["key"], task["source"], task["targets"], move=task["type"] == MOVE)
-    except MooncakeError as exc:
+    except Exception as exc:  # whatever it was, the master must hear the task failed
         ok, message = False, f"{type(exc).__name__}: {exc}"
         log.warning("task %s (%s of %r) failed: %s", task["id"], TYPE_NAMES[task["type"]],
-                    task["key"], message)
+                    task["key"], message, exc_info=not isinstance(exc, MooncakeError))
     try:
         client.call_master("complete_task", client_id=client.client_id, task_id=task["id"],
                            ok=ok, message=message)
-    except MooncakeError as exc:
+    except Exception as exc:
         log.warning("could not report task %s: %s", task["id"], exc)
 
 

@@ -24,12 +24,15 @@ import numpy as np
 
 from ..errors import InvalidParams
 from . import tensors as T
+from .rpc import MAX_BATCH
 
 _KINDS = {"dp": T.AxisKind.DP, "tp": T.AxisKind.TP, "ep": T.AxisKind.EP, "pp": T.AxisKind.PP}
 _NAMES = {v: k for k, v in _KINDS.items()}
 _MANIFEST = struct.Struct("<IHHiiiii4x8q")  # 96 bytes, as the original's
 _MANIFEST_MAGIC = 0x574D414E
 READ_MODES = ("as_stored", "shard", "full")
+MAX_SHARDS = MAX_BATCH
+"""Most shards of one tensor: a full read fetches them all in one batch."""
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,8 @@ def check_axes(axes: Sequence[Axis]) -> list[Axis]:
         raise InvalidParams("duplicate axis kinds are not supported")
     for a in axes:
         name = _NAMES[a.kind]
-        if a.size <= 0 or not 0 <= a.rank < a.size:
-            raise InvalidParams(f"{name} axis: rank {a.rank} of {a.size}")
+        if not 0 < a.size <= MAX_SHARDS or not 0 <= a.rank < a.size:
+            raise InvalidParams(f"{name} axis: rank {a.rank} of {a.size} (sizes up to {MAX_SHARDS})")
         if (a.kind == T.AxisKind.TP) != (a.split_dim is not None):
             raise InvalidParams(f"{name} axis: split_dim is required for tp and refused otherwise")
         if a.kind == T.AxisKind.EP and a.expert_id is None:
@@ -166,14 +169,25 @@ def pack_manifest(global_shape: Sequence[int], dtype: int, split_dim: int, count
 
 
 def parse_manifest(raw: Any) -> tuple[tuple[int, ...], int, int, int] | None:
-    """``(global_shape, dtype, split_dim, shard_count)``, or None if ``raw`` is not one."""
-    if raw is None or len(raw) < _MANIFEST.size:
+    """``(global_shape, dtype, split_dim, shard_count)``; None when no manifest is stored
+    (``raw`` None), InvalidParams when ``raw`` is not a well-formed one. Another process
+    wrote it: the count (which sizes a reader's fetch) must split the shape uniformly and
+    fit one batch read, the dtype must exist and the shape fit in memory at all."""
+    if raw is None:
         return None
+    if len(raw) < _MANIFEST.size:
+        raise InvalidParams(f"a parallelism manifest has {_MANIFEST.size} bytes, not {len(raw)}")
     magic, version, size, dtype, ndim, split_dim, count, _, *dims = _MANIFEST.unpack_from(raw)
-    if (magic, version, size) != (_MANIFEST_MAGIC, 1, _MANIFEST.size) or not 0 <= ndim <= T.MAX_DIMS \
-            or count <= 0 or not 0 <= split_dim < ndim or any(d < 0 for d in dims[:ndim]):
-        return None
-    return tuple(dims[:ndim]), dtype, split_dim, count
+    if (magic, version, size) != (_MANIFEST_MAGIC, 1, _MANIFEST.size):
+        raise InvalidParams("not a parallelism manifest (bad magic, version or size)")
+    if not 0 <= split_dim < ndim <= T.MAX_DIMS:
+        raise InvalidParams(f"parallelism manifest: split dim {split_dim} of {ndim} dims")
+    shape = tuple(dims[:ndim])
+    T.check_shape(shape, dtype, "parallelism manifest")
+    if not 0 < count <= MAX_SHARDS or shape[split_dim] % count:
+        raise InvalidParams(f"parallelism manifest: {count} shards of dim {split_dim} of {shape} "
+                            f"(uniform, at most {MAX_SHARDS})")
+    return shape, dtype, split_dim, count
 
 
 # -- writes ---------------------------------------------------------------------------------
@@ -287,15 +301,25 @@ def _parse(raw: Any) -> T.TensorHeader | None:
 
 def _assemble(raws: Sequence[Any], global_shape: Sequence[int], split_dim: int, dtype: int,
               dest: Dest | None = None) -> Assembled:
-    """Concatenate shards (objects) along ``split_dim``, into ``dest`` or a new array."""
+    """Concatenate shards (objects) along ``split_dim``, into ``dest`` or a new array.
+
+    InvalidParams unless every shard is its equal slice of ``global_shape`` in ``dtype``
+    (manifest and headers come from other processes), so the tensor is no larger than the
+    shards read."""
+    shape, count = tuple(global_shape), len(raws)
+    if not count or shape[split_dim] % count:
+        raise InvalidParams(f"{count} shards cannot make dim {split_dim} of {shape}")
+    local = shape[:split_dim] + (shape[split_dim] // count,) + shape[split_dim + 1:]
     size = T.itemsize(dtype)
-    shape = tuple(global_shape)
-    header = T.TensorHeader(dtype, shape, shape, data_bytes=size * int(np.prod(shape, dtype=np.int64)))
     parts = []
-    for raw in raws:
+    for rank, raw in enumerate(raws):
         h = T.parse_header(raw)
+        if h.dtype != dtype or h.local_shape != local:
+            raise InvalidParams(f"shard {rank} of {count} is {T.Dtype(h.dtype).name} {h.local_shape}; "
+                                f"a {shape} tensor needs {T.Dtype(dtype).name} {local}")
         arr = np.frombuffer(raw, np.uint8, h.data_bytes, T.HEADER_SIZE)
-        parts.append(arr.reshape(tuple(h.local_shape) + (size,)))
+        parts.append(arr.reshape(local + (size,)))
+    header = T.TensorHeader(dtype, shape, shape, data_bytes=count * parts[0].nbytes)
     out = dest(header) if dest else np.empty(shape + (size,), np.uint8)
     np.concatenate(parts, axis=split_dim, out=out)
     return Assembled(header, out, dest is not None)
@@ -326,6 +350,9 @@ def _tp_sources(key: str, axes: Sequence[Axis], fetch: Fetch) -> tuple[list[Any]
         assert st is not None and first is not None
         if st.split_dim != tp.split_dim or first.global_shape[st.split_dim] % tp.size:
             return None
+        if st.size > MAX_SHARDS:
+            raise InvalidParams(f"{tp_key(key, 0)} says it is one of {st.size} shards "
+                                f"(at most {MAX_SHARDS})")
         ranked = [[replace(st, rank=r)] for r in range(st.size)]
     else:
         ranked = [with_tp(want, rank=r) for r in range(tp.size)]

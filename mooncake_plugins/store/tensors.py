@@ -25,6 +25,9 @@ MAGIC = 0x4D4F4F4E
 VERSION = 1
 MAX_DIMS = 8
 MAX_AXES = 4
+MAX_NBYTES = (1 << 63) - 1
+"""Bound on the bytes a shape spans (its zero dims taken as 1): larger ones overflow the
+strides of numpy and torch, so no real tensor has one."""
 
 _HEAD = struct.Struct("<IHHiiIIQQ")         # object header: 40 bytes
 _SHAPE = struct.Struct(f"<{MAX_DIMS}q")     # one shape: 64 bytes
@@ -54,6 +57,7 @@ class Dtype(IntEnum):
     FLOAT8_E5M2 = 14
 
 
+_CODES = frozenset(Dtype)
 _TORCH_NAMES = {Dtype.FLOAT8_E4M3: "float8_e4m3fn", Dtype.FLOAT8_E5M2: "float8_e5m2"}
 _ITEMSIZE = {Dtype.FLOAT64: 8, Dtype.INT64: 8, Dtype.UINT64: 8, Dtype.FLOAT32: 4,
              Dtype.INT32: 4, Dtype.UINT32: 4, Dtype.INT16: 2, Dtype.UINT16: 2,
@@ -134,6 +138,20 @@ def dtype_code(dtype: Any) -> int:
     raise InvalidParams(f"unsupported tensor dtype {dtype}")
 
 
+def check_shape(shape: Sequence[int], dtype: int, what: str = "tensor") -> None:
+    """InvalidParams unless ``dtype`` is a layout code and ``shape`` a shape of it that
+    numpy and torch can hold (stored fields come from other processes)."""
+    if dtype not in _CODES:
+        raise InvalidParams(f"{what} has no dtype {dtype}")
+    span = itemsize(dtype)
+    for d in shape:
+        if d < 0:
+            raise InvalidParams(f"{what} has a negative dim: {tuple(shape)}")
+        span *= max(d, 1)
+    if span > MAX_NBYTES:
+        raise InvalidParams(f"{what} shape {tuple(shape)} spans more than {MAX_NBYTES} bytes")
+
+
 def torch_dtype(code: int) -> Any:
     c = Dtype(code)
     return getattr(torch(), _TORCH_NAMES.get(c, c.name.lower()))
@@ -175,17 +193,18 @@ def parse_header(buf: Any, total: int | None = None) -> TensorHeader:
     magic, version, hsize, dtype, ndim, layout, _, offset, nbytes = _HEAD.unpack_from(mv, 0)
     if magic != MAGIC or version != VERSION or hsize != HEADER_SIZE:
         raise InvalidParams("not a tensor object (bad magic, version or header size)")
-    if not 0 <= dtype < len(Dtype) or not 0 <= ndim <= MAX_DIMS or layout > Layout.SHARD:
-        raise InvalidParams("tensor header has a bad dtype, ndim or layout kind")
+    if not 0 <= ndim <= MAX_DIMS or layout > Layout.SHARD:
+        raise InvalidParams("tensor header has a bad ndim or layout kind")
     if offset != HEADER_SIZE or nbytes != total - offset:
         raise InvalidParams(f"tensor header says {nbytes} data bytes at {offset}; "
                             f"the object has {total} bytes")
     off = _HEAD.size
     gshape = _SHAPE.unpack_from(mv, off)
     lshape = _SHAPE.unpack_from(mv, off + _SHAPE.size)
-    if any(d < 0 for d in gshape[:ndim] + lshape[:ndim]) or \
-            any(d != -1 for d in gshape[ndim:] + lshape[ndim:]):
-        raise InvalidParams("tensor header has a bad shape")
+    if any(d != -1 for d in gshape[ndim:] + lshape[ndim:]):
+        raise InvalidParams("tensor header has dims past its ndim")
+    check_shape(gshape[:ndim], dtype, "tensor header's global")
+    check_shape(lshape[:ndim], dtype, "tensor header's local")
     off += 2 * _SHAPE.size
     count, _ = _COUNT.unpack_from(mv, off)
     if count > MAX_AXES:

@@ -8,6 +8,7 @@ before ``Peer._lock``; RegionTable and Batch locks are leaves.
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import logging
 import mmap
@@ -105,10 +106,22 @@ class _Memfd:
 
     def _prefault(self, offset: int, nbytes: int) -> bool:
         """Fault ``nbytes`` at ``offset`` in, writable (contents untouched); False if the
-        kernel cannot (too old, or out of memory: those pages then fault on first use)."""
-        return _libc.madvise(self.export.address + offset, nbytes, _MADV_POPULATE_WRITE) == 0
+        kernel cannot: too old (EINVAL, silently), or out of memory (logged: those pages
+        then fault on first use, where an out-of-memory kill may hit whoever writes)."""
+        if _libc.madvise(self.export.address + offset, nbytes, _MADV_POPULATE_WRITE) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err != errno.EINVAL:
+            log.warning("shared memory of %d bytes could not be prefaulted past offset %d "
+                        "(%s): the host may not have the memory this segment promises",
+                        self.map.size(), offset, os.strerror(err))
+        return False
 
     def _prefault_all(self, nbytes: int) -> None:
+        try:  # lowest priority: real copies on a busy host come first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
         for offset in range(0, nbytes, _PREFAULT_CHUNK):
             if self._stop_prefault.is_set() or \
                     not self._prefault(offset, min(_PREFAULT_CHUNK, nbytes - offset)):

@@ -383,6 +383,29 @@ def test_http_metadata_server_command() -> None:
         terminate_group(proc)
 
 
+@pytest.mark.parametrize("host, warned", [("127.0.0.1", False), ("0.0.0.0", True)])
+def test_http_metadata_server_command_warns_off_loopback(host: str, warned: bool) -> None:
+    from mooncake import http_metadata_server as m
+    assert m._is_loopback("localhost") and m._is_loopback("::1")
+    assert not m._is_loopback("node-7.example")  # a name: assumed reachable from elsewhere
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys, mooncake.http_metadata_server as m; sys.exit(m.main())",
+         "--port", "0", "--host", host], stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stderr:  # INFO logs "started" once it listens
+            lines.append(line)
+            if "started" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        terminate_group(proc)
+        proc.stderr.close()
+    assert any("any host that reaches this port" in line for line in lines) is warned
+
+
 # -- fast copy ---------------------------------------------------------------------------
 CONCATS = {"native": native_concat, "python": _fast_copy._py_concat_arrays_into}
 

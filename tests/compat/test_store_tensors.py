@@ -18,6 +18,7 @@ from mooncake_plugins.store.master import MasterConfig  # noqa: E402
 from mooncake_plugins.store.server import MasterServer, ServerOptions  # noqa: E402
 
 INVALID_PARAMS = -600
+MAX_TP = 1 << 17  # more tp shards than one batch read takes
 
 
 @pytest.fixture
@@ -294,11 +295,94 @@ def test_parallel_keys_and_manifests():
     assert P.writer_key("k", P.Writer(0, 3, 1)) == "k__writer_0of3_sd1"
     raw = P.pack_manifest((4, 6), 0, 1, 2)
     assert len(raw) == 96 and raw[:4] == b"NAMW" and P.parse_manifest(raw) == ((4, 6), 0, 1, 2)
-    assert P.parse_manifest(raw[:95]) is None and P.parse_manifest(b"x" + raw[1:]) is None
+    assert P.parse_manifest(None) is None  # no manifest stored
+    for bad in (raw[:95], b"x" + raw[1:]):
+        with pytest.raises(T.InvalidParams):
+            P.parse_manifest(bad)
     for bad in ([P.Axis(T.AxisKind.DP, 0, 2, 0)], [P.Axis(T.AxisKind.EP, 0, 2)], [tp, tp],
                 [P.Axis(T.AxisKind.TP, 2, 2, 0)], [P.Axis(T.AxisKind.TP, 0, 2)], []):
         with pytest.raises(T.InvalidParams):
             P.check_axes(bad)
+
+
+def test_manifest_fields_are_checked():
+    from mooncake_plugins.store import tensor_parallel as P
+    from mooncake_plugins.store.rpc import MAX_BATCH
+    assert P.parse_manifest(P.pack_manifest((MAX_BATCH, 2), 0, 0, MAX_BATCH))[3] == MAX_BATCH
+    assert P.parse_manifest(P.pack_manifest((0, 2), 0, 0, 4))[3] == 4  # empty shards
+    for shape, dtype, split_dim, count in [
+        ((6,), 0, 0, 3_000_000),             # more shards than elements (sizes the reader's lists)
+        ((2 * MAX_BATCH,), 0, 0, 2 * MAX_BATCH),  # more keys than one batch read takes
+        ((0,), 0, 0, 2**31 - 1),
+        ((6,), 0, 0, 4),                     # not uniform
+        ((6,), 0, 0, 0), ((6,), 0, 0, -2),
+        ((6,), 99, 0, 2), ((6,), -1, 0, 2),  # no such dtype
+        ((6,), 0, 1, 2), ((6, 2), 0, -1, 2),  # split dim out of range
+        ((2**62, 2**62), 0, 0, 2),           # more bytes than any buffer holds
+        ((-2, 2), 0, 1, 2),
+    ]:
+        with pytest.raises(T.InvalidParams):
+            P.parse_manifest(P.pack_manifest(shape, dtype, split_dim, count))
+
+
+def _header(dtype=0, gshape=(4,), lshape=(4,), nbytes=16, axes=()):
+    """Raw header bytes with any field values (parse_header must check them all)."""
+    def shape(dims):
+        return struct.pack("<8q", *dims, *([-1] * (8 - len(dims))))
+    raw = struct.pack("<IHHiiIIQQ", 0x4D4F4F4E, 1, 304, dtype, len(lshape), 1 if axes else 0, 0, 304,
+                      nbytes) + shape(gshape) + shape(lshape) + struct.pack("<II", len(axes), 0)
+    raw += b"".join(struct.pack("<6iq", *a) for a in axes)
+    return raw + bytes(304 - len(raw)) + bytes(nbytes)
+
+
+def test_header_fields_are_bounded(store):
+    assert T.parse_header(_header()).local_shape == (4,)
+    for bad in (_header(lshape=(0, 2**63 - 1, 2), gshape=(0, 2**63 - 1, 2), nbytes=0),  # no room
+                _header(gshape=(2**62, 2**62), lshape=(0, 4), nbytes=0),
+                _header(dtype=15), _header(dtype=-1),
+                _header(axes=[(1, 0, 0, 2, 1, 0, 2)]),            # split dim past ndim
+                _header(axes=[(1, 0, 2, 2, 0, 0, 2)]),            # rank not below count
+                _header(axes=[(9, 0, 0, 2, 0, 0, 2)])):           # no such axis kind
+        with pytest.raises(T.InvalidParams):
+            T.parse_header(bad)
+        assert store.upsert("hostile", bad) == 0
+        assert store.get_tensor("hostile") is None
+        assert store.get_tensor_with_parallelism("hostile") is None
+
+
+def test_hostile_manifests_and_shards_read_as_none(store):
+    from mooncake_plugins.store import tensor_parallel as P
+    t = torch.arange(24, dtype=torch.float32).view(4, 6)
+    full = target("full", par(axis("tp", 0, 2, 1)))
+    manifests = {"dtype": P.pack_manifest((4, 6), 99, 1, 2),
+                 "shape": P.pack_manifest((5, 6), 0, 1, 2),        # the shards are 4 x 3
+                 "itemsize": P.pack_manifest((4, 6), 1, 1, 2),     # float64; the shards are float32
+                 "huge": P.pack_manifest((2**40, 6), 0, 1, 2)}
+    for name, manifest in manifests.items():
+        assert store.put(P.manifest_key(name), manifest) == 0  # stays: a put keeps what is there
+        for rank in range(2):
+            assert store.put_tensor_with_parallelism(name, t[:, 3 * rank:3 * rank + 3].contiguous(),
+                                                     par(axis("tp", rank, 2, 1))) == 0
+        assert store.get_tensor_with_parallelism(name, full) is None, name
+        assert store.get_tensor_with_parallelism(name, target("shard", par(axis("tp", 1, 3, 1)))) is None
+        assert torch.equal(store.get_tensor_with_parallelism(name, target("shard", par(axis("tp", 1, 2, 1)))),
+                           t[:, 3:])  # its own shard needs no manifest
+    # writer partitions: a huge shard count is refused before any key is read
+    for rank in range(2):
+        assert store.put_tensor_with_parallelism("w", t, writer_partition=Partition(rank, 2, 1)) == 0
+    assert store.upsert(P.writer_manifest_key("w"), P.pack_manifest((4, 6), 0, 1, 3_000_000)) == 0
+    assert store.get_tensor_with_parallelism("w", target("full")) is None
+    assert store.upsert(P.writer_manifest_key("w"), P.pack_manifest((4, 12), 0, 1, 2)) == 0
+    assert store.get_tensor_with_parallelism("w", target("full")) is None  # shards of the wrong shape
+    # a shard header claiming a huge tp size is refused the same way
+    huge = T.TensorHeader(0, (2**20, 6), (2**20 // MAX_TP, 6), T.Layout.SHARD,
+                          [T.Axis(T.AxisKind.TP, 0, 0, MAX_TP, 0, 0, 2**20 // MAX_TP)], 0)
+    huge.data_bytes = huge.expected_bytes()
+    assert store.put("h_tp_0", T.pack_header(huge) + bytes(huge.data_bytes)) == 0
+    assert store.get_tensor_with_parallelism("h", target("full", par(axis("tp", 0, 2, 0)))) is None
+    assert P.check_axes([P.Axis(T.AxisKind.TP, 0, MAX_TP // 2, 0)])
+    with pytest.raises(T.InvalidParams):
+        P.check_axes([P.Axis(T.AxisKind.TP, 0, MAX_TP, 0)])
 
 
 def test_parallel_writes_and_reads(store):

@@ -7,11 +7,16 @@ compat ``setup_dummy``) or as child processes (the concurrent and kill -9 cases)
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import logging
 import os
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import textwrap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,9 +25,12 @@ import msgpack
 import pytest
 from helpers import LineChild, spawn_ready, terminate_group, wait_until
 
+from mooncake_plugins.cli.client import build_parser
 from mooncake_plugins.compat.store import MooncakeDistributedStore
-from mooncake_plugins.store.local import DummyClient
-from mooncake_plugins.store.rpc import RpcClient
+from mooncake_plugins.errors import InvalidParams, RpcFailed
+from mooncake_plugins.store.local import DummyClient, common
+from mooncake_plugins.store.local.host import _Session
+from mooncake_plugins.store.rpc import RpcClient, RpcServer
 
 HOST = [sys.executable, "-m", "mooncake_plugins.cli.client"]
 
@@ -262,3 +270,214 @@ def test_setup_dummy_errors():
     assert s.setup_dummy(1 << 20, 1 << 20, "no-port") == -600
     assert s.alloc_from_mem_pool(4096) == 0  # not a dummy
     assert s.close() == 0
+
+
+# Each ends with memory of a closed dummy still in use; run in a child, so that a
+# regression shows as a signal instead of killing the test session.
+USE_AFTER_CLOSE = {
+    "views of the pool after close": """
+        p = d.alloc_from_mem_pool(1 << 20)
+        d.register_buffer(p, 1 << 20)
+        v, w = d.local_view(p, 1 << 20), d.local_view(d.alloc_from_mem_pool(4096), 16)
+        d.close()
+        v[:] = b"x" * (1 << 20); w[0] = 1
+        assert bytes(v[-2:]) == b"xx"
+    """,
+    "close while another thread copies into the staging buffer": """
+        import threading
+        from mooncake_plugins.transfer import memory
+        started, go, copy_many = threading.Event(), threading.Event(), memory.copy_many
+        def slow_copy(copies):
+            started.set(); go.wait(); copy_many(copies)
+        memory.copy_many = slow_copy
+        out = []
+        def put():
+            try:
+                d.put("k", b"y" * 65536)
+            except Exception as exc:  # the client closed under it: an error, not a crash
+                out.append(exc)
+        t = threading.Thread(target=put); t.start()
+        started.wait(); d.close(); go.set(); t.join()
+        assert out, "the put did not notice the close"
+    """,
+}
+
+
+@pytest.mark.parametrize("case", sorted(USE_AFTER_CLOSE))
+def test_memory_in_use_outlives_close(host, case, impl_env):
+    code = "from mooncake_plugins.store.local import DummyClient\n" \
+        f"d = DummyClient({host[1]!r}, local_buffer_size=1 << 20)\n" \
+        + textwrap.dedent(USE_AFTER_CLOSE[case]) + "\nprint('ok')\n"
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **impl_env},
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr.decode()[-2000:])
+    assert proc.stdout.strip() == b"ok"
+
+
+@pytest.mark.parametrize("greeting", [b"", b"\x92garbage", msgpack.packb(["session"]),
+                                      msgpack.packb({"session": 5}),
+                                      msgpack.packb({"token": "abc"})])
+def test_a_malformed_session_greeting_is_rpc_failed(greeting):
+    name = f"\0mooncake-test-greeting-{os.getpid()}"
+    control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    control.bind(name)
+    control.listen(1)
+
+    def greet() -> None:
+        conn, _ = control.accept()
+        with conn:
+            if greeting:
+                conn.sendall(greeting)
+            conn.recv(1)  # until the dummy gives up
+
+    t = threading.Thread(target=greet)
+    t.start()
+    server = RpcServer("127.0.0.1", 0, {"hello": ({}, lambda: {"control": name, "segment": "s"})})
+    try:
+        with pytest.raises(RpcFailed, match="session greeting"):
+            DummyClient(f"127.0.0.1:{server.port}", timeout_s=10)
+    finally:
+        server.close()
+        t.join(10)
+        control.close()
+
+
+class _BlockingEngine:
+    """An engine whose register_address waits for ``go``."""
+
+    def __init__(self) -> None:
+        self.entered, self.go = threading.Event(), threading.Event()
+        self.unregistered: list[int] = []
+
+    def register_address(self, address: int, nbytes: int, private: bool = False) -> None:
+        self.entered.set()
+        assert self.go.wait(10)
+
+    def unregister(self, address: int, wait_s: float = 1.0) -> None:
+        self.unregistered.append(address)
+
+
+def _sealed_memfd(nbytes: int, flags: int = 0) -> int:
+    fd = os.memfd_create("mooncake-dummy-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | flags)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def test_session_add_maps_outside_the_lock():
+    engine = _BlockingEngine()
+    session = _Session(engine)
+    fd = _sealed_memfd(1 << 16)
+    adder = threading.Thread(target=session.add, args=(fd, 1 << 30, 1 << 16))
+    try:
+        adder.start()
+        assert engine.entered.wait(10)
+        done = threading.Event()
+
+        def pin() -> None:
+            with session.pinned([[(0, 0)]]):
+                done.set()
+
+        pinner = threading.Thread(target=pin)
+        pinner.start()
+        assert done.wait(5), "pinned() waited for another call's map + register"
+    finally:
+        engine.go.set()
+        adder.join(10)
+        pinner.join(10)
+        os.close(fd)
+    with session.pinned([[(1 << 30, 16)]]) as local:  # the mapping is in place
+        assert local[0][0][1] == 16
+    session.close()
+    assert len(engine.unregistered) == 1
+
+
+def test_session_add_undoes_a_mapping_the_closed_session_cannot_take():
+    engine = _BlockingEngine()
+    session = _Session(engine)
+    fd = _sealed_memfd(1 << 16)
+    errors: list[BaseException] = []
+
+    def add() -> None:
+        try:
+            session.add(fd, 1 << 30, 1 << 16)
+        except InvalidParams as exc:
+            errors.append(exc)
+
+    adder = threading.Thread(target=add)
+    try:
+        adder.start()
+        assert engine.entered.wait(10)
+        session.close()  # while the add maps and registers
+        engine.go.set()
+        adder.join(10)
+    finally:
+        engine.go.set()
+        os.close(fd)
+    assert "closed" in str(errors[0]) and len(engine.unregistered) == 1
+
+
+def test_session_refuses_hugetlb_memfds():
+    fd = _sealed_memfd(2 << 20, os.MFD_HUGETLB)
+    try:
+        with pytest.raises(InvalidParams, match="hugetlb"):
+            _Session(_BlockingEngine()).add(fd, 1 << 30, 2 << 20)
+    finally:
+        os.close(fd)
+
+
+def test_a_failed_munmap_is_logged(caplog):
+    with caplog.at_level(logging.ERROR, logger=common.__name__):
+        assert common.unmap(4097, 4096) is False  # not page-aligned: EINVAL
+    assert "munmap of 4096 bytes at 0x1001 failed" in caplog.text
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_control_socket_refuses_other_users(host):
+    control = _hello(host[1])["control"]
+
+    def greeting_as(uid: int) -> bytes:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: connect as ``uid``, report what the host said
+            try:
+                os.close(r)
+                os.setuid(uid)
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                s.settimeout(10)
+                s.connect(control)
+                os.write(w, s.recv(512) or b"closed")
+            finally:
+                os._exit(0)
+        os.close(w)
+        try:
+            return os.read(r, 512)
+        finally:
+            os.close(r)
+            os.waitpid(pid, 0)
+
+    assert greeting_as(65534) == b"closed"
+    assert "session" in msgpack.unpackb(greeting_as(0))
+    assert host[0].poll() is None
+
+
+def test_rpc_listens_on_loopback_unless_told(master_process):
+    args = build_parser().parse_args([])
+    assert (args.host, args.rpc_host) == ("0.0.0.0", "127.0.0.1")
+    _, master = master_process()
+    proc, port = spawn_ready(HOST + [f"--master_server_address={master}", "--port=0",
+                                     "--metadata_server=P2PHANDSHAKE",
+                                     "--global_segment_size=16MB"], timeout_s=60)
+    try:
+        listening = [line.split()[1] for line in
+                     Path(f"/proc/{proc.pid}/net/tcp").read_text().splitlines()[1:]
+                     if line.split()[3] == "0A" and line.split()[1].endswith(f":{port:04X}")]
+        assert listening == [f"0100007F:{port:04X}"]
+        with DummyClient(f"127.0.0.1:{port}") as d:
+            assert not d.exists("nothing")
+    finally:
+        assert terminate_group(proc) == 0

@@ -84,3 +84,18 @@ def test_compat_config_and_codes(master):
         assert "soft_pin_action: ENABLE" in str(cfg) and "1000" in str(cfg)
     finally:
         store.close()
+
+
+def test_a_bool_ttl_is_refused_on_the_wire(client):
+    from mooncake_plugins.errors import MooncakeError, ProtocolError
+    from mooncake_plugins.store.rpc import validate_args
+    from mooncake_plugins.store.server import PUT_CONFIG
+
+    wire = Config(soft_pin_action="enable", soft_pin_ttl_ms=True).to_wire(False)
+    with pytest.raises(ProtocolError):
+        validate_args({"config": wire}, {"config": PUT_CONFIG}, "put_start")
+    for ok in (None, 0, 1000):
+        validate_args({"config": {**wire, "soft_pin_ttl_ms": ok}}, {"config": PUT_CONFIG}, "put_start")
+    with pytest.raises(MooncakeError):
+        client.put("k", b"v", Config(soft_pin_action="enable", soft_pin_ttl_ms=False))
+    assert not client.exists("k")

@@ -178,3 +178,236 @@ def test_drain_moves_everything_off_a_segment_over_http(admin_master):
     assert _http(port, "/api/v1/drain_jobs/query?job_id=nope") == (
         404, {"success": False, "error_code": -1402, "error_message": "no drain job 'nope'"})
     assert _http(port, "/api/v1/segments/status")[0] == 400
+
+
+# -- the master's copy bookkeeping, with a fake clock -----------------------------------
+class _Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+MiB = 1 << 20
+
+
+def _service(clock, **cfg):
+    from mooncake_plugins.store.master import MasterConfig, MasterService
+
+    m = MasterService(MasterConfig(client_ttl_s=1000, **cfg), clock=clock)
+    for i in range(2):
+        m.register_client(f"c{i}", f"host{i}")
+        m.mount_segment(f"c{i}", f"seg{i}", (i + 1) << 32, 8 * MiB)
+    return m
+
+
+def _put(m, key, nbytes, segment, client="c0"):
+    from mooncake_plugins.store.master import PutConfig
+
+    replicas = m.put_start(client, key, nbytes, PutConfig(preferred_segments=[segment]))
+    m.put_end(client, key)
+    return replicas
+
+
+def _used(m, segment):
+    return m._segments[segment].allocator.used
+
+
+def test_move_keeps_the_source_while_a_reader_holds_a_lease():
+    from mooncake_plugins.errors import ObjectHasLease
+    from mooncake_plugins.store.master import PutConfig
+
+    clock = _Clock()
+    m = _service(clock)
+    [[source]] = _put(m, "k", MiB, "seg0")
+    m.get("k")                                             # a reader's lease: 5 s
+    m.replica_start("c0", "k", "seg0", ["seg1"], move=True)
+    clock.t += 0.1
+    m.replica_end("c0", "k", ok=True)
+    assert [s[0] for r in m.get("k")[1] for s in r] == ["seg1"]
+    [[other]] = m.put_start("c0", "other", MiB, PutConfig(preferred_segments=["seg0"]))
+    assert other[1] != source[1]                           # the reader's bytes are not reused
+    clock.t += 5.5
+    m.reap()
+    assert _used(m, "seg0") == MiB                         # freed once the lease ended
+    # a failed copy keeps the reader's lease too
+    _put(m, "j", MiB, "seg0")
+    m.replica_start("c0", "j", "seg0", ["seg1"], move=False)
+    m.get("j")
+    m.replica_end("c0", "j", ok=False)
+    with pytest.raises(ObjectHasLease):
+        m.remove("j")
+
+
+def test_a_copy_that_never_ends_is_cancelled_at_its_deadline():
+    from mooncake_plugins.errors import ObjectAlreadyExists
+
+    clock = _Clock()
+    m = _service(clock, put_start_discard_timeout_s=30, task_processing_timeout_s=0)
+    _put(m, "k", MiB, "seg0")
+    m.replica_start("c0", "k", "seg0", ["seg1"], move=False)
+    with pytest.raises(ObjectAlreadyExists):
+        m.replica_start("c1", "k", "seg0", ["seg1"], move=False)
+    clock.t += 31
+    m.reap()
+    assert _used(m, "seg1") == 0                           # its reserved space is back
+    with pytest.raises(ObjectNotFound):
+        m.replica_end("c0", "k", ok=True)
+    m.replica_start("c1", "k", "seg0", ["seg1"], move=False)   # the key is free again
+    m.replica_end("c1", "k", ok=True)
+    assert sorted(s[0] for r in m.get("k")[1] for s in r) == ["seg0", "seg1"]
+
+
+def test_a_failed_or_expired_task_cancels_its_copy():
+    clock = _Clock()
+    m = _service(clock, put_start_discard_timeout_s=300, task_processing_timeout_s=10)
+    _put(m, "k", MiB, "seg0")
+    _put(m, "j", MiB, "seg0")
+    expired = m.create_copy_task("k", ["seg1"])
+    failed = m.create_copy_task("j", ["seg1"])
+    assert len(m.tasks.take("c0")) == 2
+    m.replica_start("c0", "k", "seg0", ["seg1"], move=False)
+    m.replica_start("c0", "j", "seg0", ["seg1"], move=False)
+    m.complete_task("c0", failed, ok=False, message="replica_end was lost")
+    clock.t += 11
+    m.reap()
+    assert m.tasks.status(expired) == tasks.FAILED
+    for key in ("k", "j"):                                 # neither key stays blocked
+        m.replica_start("c1", key, "seg0", ["seg1"], move=False)
+        m.replica_end("c1", key, ok=False)
+
+
+def test_a_cancelled_copy_keeps_its_new_space_until_its_end():
+    from mooncake_plugins.store.master import PutConfig
+
+    clock = _Clock()
+    m = _service(clock)
+    _put(m, "k", MiB, "seg0")
+    _, _, [[target]] = m.replica_start("c0", "k", "seg0", ["seg1"], move=False)
+    m.remove("k", force=True)                              # cancels the copy; its writer runs on
+    [[other]] = m.put_start("c1", "other", MiB, PutConfig(preferred_segments=["seg1"]))
+    assert other[1] != target[1]
+    with pytest.raises(ObjectNotFound):
+        m.replica_end("c0", "k", ok=True)
+    assert _used(m, "seg1") == MiB                         # only "other" is left there
+    # an object replaced meanwhile: the cancelled copy publishes nothing
+    _put(m, "u", MiB, "seg0")
+    m.replica_start("c0", "u", "seg0", ["seg1"], move=True)
+    new = m.put_start("c0", "u", MiB, PutConfig(upsert=True, preferred_segments=["seg0"]))
+    m.put_end("c0", "u")
+    with pytest.raises(ObjectNotFound):
+        m.replica_end("c0", "u", ok=True)
+    assert m.get("u")[1] == new
+
+
+def test_finished_drain_jobs_are_forgotten_beyond_a_bound():
+    from mooncake_plugins.errors import JobNotFound
+
+    clock = _Clock()
+    m = _service(clock)
+    m.max_finished_drains = 3
+    ids = []
+    for _ in range(5):
+        ids.append(m.create_drain_job(["seg0"], [], 1))
+        assert m.query_drain_job(ids[-1])["status_name"] == "SUCCEEDED"
+        m.set_draining(["seg0"], False)
+    assert len(m._drains) == 3
+    with pytest.raises(JobNotFound):
+        m.query_drain_job(ids[0])
+    assert m.query_drain_job(ids[-1])["status_name"] == "SUCCEEDED"
+
+
+def test_a_full_task_queue_delays_a_drain_instead_of_failing_it():
+    clock = _Clock()
+    m = _service(clock, max_pending_tasks=1)
+    _put(m, "k", MiB, "seg0")
+    _put(m, "j", MiB, "seg1")
+    m.create_copy_task("j", ["seg0"])                      # the queue is full
+    job = m.create_drain_job(["seg0"], ["seg1"], 1)
+    m.reap()
+    assert m.query_drain_job(job)["active_units"] == 0
+    m.tasks.take("c1")                                     # room again
+    m.advance_drains()
+    assert m.query_drain_job(job)["active_units"] == 1
+
+
+def test_run_task_reports_any_exception_as_a_failure():
+    calls = []
+
+    class Client:
+        client_id = "c"
+
+        def copy_replicas(self, *args, **kwargs):
+            raise MemoryError("no room for the copy buffer")
+
+        def call_master(self, method, **args):
+            calls.append((method, args))
+
+    tasks.run_task(Client(), {"id": [1, 2], "key": "k", "source": "a", "targets": ["b"],
+                              "type": tasks.MOVE})
+    [(method, args)] = calls
+    assert method == "complete_task" and args["ok"] is False
+    assert "MemoryError" in args["message"]
+
+
+def test_replica_end_is_retried_after_a_lost_reply(trio):
+    from mooncake_plugins.errors import RpcFailed
+
+    a, b, _ = trio
+    a.put("k", b"r" * 10_000, ReplicateConfig(preferred_segments=[a.segment_name]))
+    real, failures = a._call, []
+
+    def flaky(method, **args):
+        if method == "replica_end" and not failures:
+            failures.append(method)
+            raise RpcFailed("connection reset")
+        return real(method, **args)
+
+    a._call = flaky
+    a.copy_replicas("k", a.segment_name, [b.segment_name])
+    assert failures and _segments(a, "k") == sorted([a.segment_name, b.segment_name])
+
+
+def test_no_task_runner_starts_after_close(master):
+    c = StoreClient(master.address, global_segment_size=0)
+    c.close()
+    c._start_tasks([{"id": [1, 2], "key": "k", "source": "a", "targets": ["b"],
+                     "type": tasks.COPY}])
+    assert c._task_runner is None
+
+
+def test_query_task_reports_a_client_id_that_is_not_hex(master):
+    from mooncake.store import MooncakeDistributedStore
+    from mooncake_plugins.compat.store_tasks import QueryTaskResponse
+
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 20, 1 << 20, "tcp", "", master.address) == 0
+    try:
+        named = master.service.tasks.submit(tasks.COPY, "k", "a", ["b"], "worker-a")  # ids are the clients'
+        got, code = store.query_task(named)
+        assert code == 0 and got.id == tuple(named)
+        assert got.assigned_client == QueryTaskResponse({"client_id": "worker-a"}).assigned_client
+        assert got.assigned_client != QueryTaskResponse({"client_id": "worker-b"}).assigned_client
+        assert all(0 <= half < 1 << 64 for half in got.assigned_client)
+        for odd in ("0x12", " 12", "1_2", "f" * 33):  # hex that int() bends, or too long for a uuid
+            assert all(0 <= half < 1 << 64 for half in QueryTaskResponse({"client_id": odd}).assigned_client)
+        uuid_id = "0123456789abcdef" * 2
+        assert QueryTaskResponse({"client_id": uuid_id}).assigned_client == (0x0123456789ABCDEF,) * 2
+    finally:
+        store.close()
+
+
+def test_deeply_nested_drain_body_is_a_bad_request(admin_master, caplog):
+    import urllib.error
+    import urllib.request
+
+    nested = b"[" * 100_000 + b"]" * 100_000
+    req = urllib.request.Request(f"http://127.0.0.1:{admin_master.metrics_port}/api/v1/drain_jobs",
+                                 method="POST", data=nested)
+    with caplog.at_level("WARNING", logger="mooncake_plugins.store.admin"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=5)
+    with err.value as reply:
+        assert reply.code == 400 and b'"error_code": -600' in reply.read()
+    assert any("refused" in r.getMessage() for r in caplog.records)

@@ -21,7 +21,11 @@ Two channels per dummy:
   ``unmap`` messages, a memfd riding along with ``map`` (SCM_RIGHTS). The host accepts only
   memfds sealed against shrinking, so the dummy cannot pull pages from under a mapping.
   When the connection ends (the dummy closed or died), every mapping of the session is
-  released once the calls using it finished.
+  released once the calls using it finished. The abstract name has no file permissions:
+  the host serves peers of its own uid (and root) only, by ``SO_PEERCRED``.
+
+The RPC port listens on loopback unless ``mooncake_client --rpc_host`` says otherwise: it
+is unauthenticated, and anyone reaching it can remove every object.
 
 A malformed frame or control message closes that connection with a logged error.
 """

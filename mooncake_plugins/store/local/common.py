@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import logging
 import mmap
 import os
 from typing import Sequence
 
 from ...errors import InvalidParams, MooncakeError
 from ..rpc import ListOf
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50052
 MAX_SESSIONS = 1024
@@ -37,6 +40,15 @@ def map_fd(fd: int, nbytes: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {nbytes} bytes failed: {os.strerror(err)}")
     return address
+
+
+def unmap(address: int, nbytes: int) -> bool:
+    """Undo :func:`map_fd`; a failure is logged (the mapping then stays), False returned."""
+    if libc.munmap(address, nbytes) == 0:
+        return True
+    err = ctypes.get_errno()
+    log.error("munmap of %d bytes at 0x%x failed: %s", nbytes, address, os.strerror(err))
+    return False
 
 
 def wire_error(err: BaseException | None) -> list:

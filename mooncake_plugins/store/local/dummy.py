@@ -4,24 +4,36 @@ from __future__ import annotations
 
 import bisect
 import fcntl
+import mmap
 import os
 import socket
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 import msgpack
 
-from ...errors import AddressError, InvalidParams, RpcFailed, StoreError, store_error
+from ...errors import (AddressError, InvalidParams, ProtocolError, RpcFailed, StoreError,
+                       store_error)
 from ...transfer import memory
+from ...transfer.protocol import unpack_bounded
 from ..allocation import OffsetAllocator
 from ..client import ReplicateConfig, StoreClient
 from ..rpc import RpcClient
-from .common import CONTROL_MSG_NBYTES, flatten, libc, map_fd
+from .common import CONTROL_MSG_NBYTES, flatten
+
+
+_MMAP_KW = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+"""Our own descriptor is enough: no duplicate for the mapping where Python allows it."""
 
 
 class _Segment:
-    """A sealed memfd of this process and its mapping here; ``mapped``: the host maps it too."""
+    """A sealed memfd of this process and its mapping here; ``mapped``: the host maps it too.
+
+    The mapping is held by an :class:`Export`, so views of it (``view``) keep it mapped
+    past ``close``: the last one's release unmaps it.
+    """
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -31,17 +43,33 @@ class _Segment:
             os.ftruncate(self.fd, nbytes)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            self.address = map_fd(self.fd, nbytes)
+            self._map: mmap.mmap | None = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED,
+                                  mmap.PROT_READ | mmap.PROT_WRITE, **_MMAP_KW)
         except BaseException:
             os.close(self.fd)
             raise
+        self._export = memory.Export(self._map, True)
+        self.address: int = self._export.address
 
     def view(self, address: int, nbytes: int) -> memoryview:
-        """A view for this module's own short use (it must not outlive ``close``)."""
-        return memory.view_of(self, address, nbytes)
+        """A writable view of ``[address, address+nbytes)``, keeping the memory mapped.
+
+        Raises:
+            AddressError: the segment was closed.
+        """
+        try:
+            return memory.view_of(self._export, address, nbytes)
+        except BufferError:
+            raise AddressError(f"0x{address:x}+{nbytes}: the memory was freed") from None
 
     def close(self) -> None:
-        libc.munmap(self.address, self.nbytes)
+        """Free the memory, or leave that to the last view's release."""
+        self._export.release()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # views are alive: the last one's release frees the mmap, which unmaps
+        self._map = None
         os.close(self.fd)
 
 
@@ -91,7 +119,7 @@ class DummyClient:
             except OSError as exc:
                 raise RpcFailed(f"the host at {server_address} is not on this machine "
                                 f"(its control socket is unreachable: {exc})") from None
-            self._session: str = msgpack.unpackb(self._control.recv(CONTROL_MSG_NBYTES))["session"]
+            self._session = self._greeting(self._control)
             if local_buffer_size:
                 self._local = self._new_segment(local_buffer_size)
                 self._map(self._local)
@@ -99,6 +127,23 @@ class DummyClient:
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _greeting(control: socket.socket) -> str:
+        """The session token in the host's first control message.
+
+        Raises:
+            RpcFailed: none came, or it is not ``{"session": <token>}``.
+        """
+        try:
+            msg = unpack_bounded(control.recv(CONTROL_MSG_NBYTES), 1, max_map_len=1,
+                                 max_str_len=64)
+        except (OSError, ProtocolError) as exc:
+            raise RpcFailed(f"the host sent a malformed session greeting: {exc}") from None
+        token = msg.get("session") if isinstance(msg, dict) else None
+        if not isinstance(token, str) or not token:
+            raise RpcFailed(f"the host sent a malformed session greeting: {msg!r:.100}")
+        return token
 
     # -- shared memory --------------------------------------------------------------------
     def _new_segment(self, nbytes: int) -> _Segment:
@@ -113,10 +158,13 @@ class DummyClient:
             if seg.mapped:
                 self._unmap(seg)
         finally:  # the host's mapping, if any, is its own: ours can go regardless
-            with self._lock:
-                del self._segments[seg.address]
-                self._bases.remove(seg.address)
-            seg.close()
+            with self._lock:  # whoever takes it out of the table closes it (or close() did)
+                owned = self._segments.get(seg.address) is seg
+                if owned:
+                    del self._segments[seg.address]
+                    self._bases.remove(seg.address)
+            if owned:
+                seg.close()
 
     def _control_call(self, msg: dict, fds: list[int]) -> None:
         with self._control_lock:
@@ -186,9 +234,11 @@ class DummyClient:
 
     @contextmanager
     def _staging(self, sizes: Sequence[int]) -> Iterator[list[int]]:
-        """Addresses of room for ``sizes`` in the local buffer (or a temporary one)."""
+        """Addresses of room for ``sizes`` in the local buffer (or a temporary one); the
+        memory stays mapped until the block ends, even if :meth:`close` runs meanwhile."""
         addrs: list[int | None] = [None] * len(sizes)
         taken: list[tuple[int, int]] = []
+        pins: list[memoryview] = []
         temp = None
         try:
             with self._lock:
@@ -200,15 +250,20 @@ class DummyClient:
                         if off is not None:
                             taken.append((off, n))
                             addrs[i] = self._local.address + off
+            if taken:
+                pins.append(self._local.view(self._local.address, self._local.nbytes))
             rest = [i for i, a in enumerate(addrs) if a is None]
             if rest:
                 temp = self._new_segment(sum(sizes[i] for i in rest))
+                pins.append(temp.view(temp.address, temp.nbytes))
                 self._map(temp)
                 off = temp.address
                 for i in rest:
                     addrs[i], off = off, off + sizes[i]
             yield addrs
         finally:
+            for pin in pins:
+                pin.release()
             if taken:
                 with self._lock:
                     for off, n in taken:

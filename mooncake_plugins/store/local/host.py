@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import fcntl
 import logging
+import mmap
 import os
 import secrets
 import socket
@@ -22,13 +23,21 @@ from ...transfer.protocol import unpack_bounded
 from ..client import ReplicateConfig, StoreClient
 from ..rpc import ListOf, RpcServer
 from .common import (CONFIG_SCHEMA, CONTROL_MSG_NBYTES, DEFAULT_PORT, MAX_MAPPING_NBYTES,
-                     MAX_MAPPINGS, MAX_SESSIONS, PARTS_SCHEMA, REQUIRED_SEALS, libc, map_fd,
-                     unflatten, wire_error)
+                     MAX_MAPPINGS, MAX_SESSIONS, PARTS_SCHEMA, REQUIRED_SEALS, map_fd, unflatten,
+                     unmap, wire_error)
 
 log = logging.getLogger(__name__)
 
 CONTROL_SEND_TIMEOUT_S = 30
 """A control reply that cannot be sent for this long ends the session."""
+
+
+def peer_allowed(uid: int) -> bool:
+    """Whether a control-socket peer of ``uid`` may be served: this process's user, or root.
+
+    (The socket's abstract name has no file permissions to keep other users out.)
+    """
+    return uid in (os.getuid(), 0)
 
 
 @dataclass(eq=False)
@@ -52,7 +61,11 @@ class _Session:
         self.closed = False
 
     def add(self, fd: int, base: int, nbytes: int) -> None:
-        """Map the dummy's memfd ``fd`` (its copy stays the caller's to close)."""
+        """Map the dummy's memfd ``fd`` (its copy stays the caller's to close).
+
+        Mapping and registering happen outside the session's lock, so calls of this
+        session (``pinned``) go on meanwhile.
+        """
         if not 0 < base < 1 << 64 or not 0 < nbytes <= MAX_MAPPING_NBYTES:
             raise InvalidParams(f"bad mapping base 0x{base:x} / size {nbytes}")
         try:
@@ -64,23 +77,37 @@ class _Session:
                 seals & REQUIRED_SEALS != REQUIRED_SEALS:
             raise InvalidParams("the descriptor must be a memfd of at least the mapped size, "
                                 "sealed against shrinking")
+        if st.st_blksize != mmap.PAGESIZE:  # hugetlb: lengths would have to be huge-page multiples
+            raise InvalidParams(f"the memfd has {st.st_blksize}-byte pages; only "
+                                f"{mmap.PAGESIZE}-byte (not hugetlb) memory can be shared")
         with self._cond:
-            if self.closed:
-                raise InvalidParams("session is closed")
-            if len(self._maps) >= MAX_MAPPINGS:
-                raise InvalidParams(f"a session holds at most {MAX_MAPPINGS} mappings")
-            i = bisect.bisect_right(self._bases, base)
-            if (i and self._bases[i - 1] + self._maps[i - 1].nbytes > base) or \
-                    (i < len(self._bases) and base + nbytes > self._bases[i]):
-                raise InvalidParams(f"0x{base:x}+{nbytes} overlaps a mapping of this session")
-            address = map_fd(fd, nbytes)
-            try:
-                self._engine.register_address(address, nbytes, private=True)
-            except BaseException:
-                libc.munmap(address, nbytes)
-                raise
-            self._bases.insert(i, base)
-            self._maps.insert(i, _Mapping(base, nbytes, address))
+            self._slot(base, nbytes)  # fail early; checked again once mapped
+        address = map_fd(fd, nbytes)
+        try:
+            self._engine.register_address(address, nbytes, private=True)
+        except BaseException:
+            unmap(address, nbytes)
+            raise
+        try:
+            with self._cond:
+                i = self._slot(base, nbytes)
+                self._bases.insert(i, base)
+                self._maps.insert(i, _Mapping(base, nbytes, address))
+        except BaseException:
+            self._release(_Mapping(base, nbytes, address))
+            raise
+
+    def _slot(self, base: int, nbytes: int) -> int:
+        """Where a mapping of ``[base, base+nbytes)`` goes (under ``_cond``)."""
+        if self.closed:
+            raise InvalidParams("session is closed")
+        if len(self._maps) >= MAX_MAPPINGS:
+            raise InvalidParams(f"a session holds at most {MAX_MAPPINGS} mappings")
+        i = bisect.bisect_right(self._bases, base)
+        if (i and self._bases[i - 1] + self._maps[i - 1].nbytes > base) or \
+                (i < len(self._bases) and base + nbytes > self._bases[i]):
+            raise InvalidParams(f"0x{base:x}+{nbytes} overlaps a mapping of this session")
+        return i
 
     def remove(self, base: int) -> None:
         with self._cond:
@@ -107,7 +134,7 @@ class _Session:
         except MooncakeError as exc:  # memory stays mapped rather than unmapped while in use
             log.error("could not release the mapping 0x%x of a dummy client: %s", m.dummy_base, exc)
             return
-        libc.munmap(m.host_base, m.nbytes)
+        unmap(m.host_base, m.nbytes)
 
     @contextmanager
     def pinned(self, parts: list[list[tuple[int, int]]]) -> Iterator[list[list[tuple[int, int]]]]:
@@ -193,12 +220,21 @@ class DummyHost:
             t.start()
 
     def _serve_session(self, conn: socket.socket) -> None:
+        cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        pid, uid, _ = struct.unpack("3i", cred)
+        if not peer_allowed(uid):
+            log.error("refused a dummy client (pid %d) of uid %d: this host serves uid %d "
+                      "(and root) only", pid, uid, os.getuid())
+            conn.close()
+            with self._lock:
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+            return
         token = secrets.token_hex(16)
         session = _Session(self.client.engine)
         # replies are tiny, but a dummy that never reads them must not hold this thread
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                         struct.pack("ll", CONTROL_SEND_TIMEOUT_S, 0))
-        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
         with self._lock:
             self._sessions[token] = session
         try:

@@ -623,8 +623,9 @@ class MetadataServer:
 
     @property
     def entries(self) -> Mapping[str, bytes]:
-        """A live, read-only view of the stored keys and values."""
-        return MappingProxyType(self._entries.kv)
+        """A snapshot of the stored keys and values (handler threads change the map)."""
+        with self._entries.lock:
+            return MappingProxyType(dict(self._entries.kv))
 
     def get(self, key: str) -> bytes | None:
         """The value under ``key`` (stripped if ``strip_keys``), or None.
