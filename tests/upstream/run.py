@@ -1,8 +1,10 @@
 """Run the original Mooncake's own Python tests against a `mooncake` package.
 
-The 21 files are those the original's CI runs on its CPU wheel (scripts/run_tests.sh,
-scripts/test_installation.sh and .github/workflows/ci.yml of kvcache-ai/Mooncake), run
-the way that CI runs them: the same services (HTTP metadata server on 8080, mooncake_master
+The 21 files: the 16 the original's CI runs on its CPU wheel (scripts/run_tests.sh,
+scripts/test_installation.sh and .github/workflows/ci.yml of kvcache-ai/Mooncake) and the
+5 accelerator-free test files it does not name there (four of mooncake-wheel/tests and
+scripts/test_upsert_api.py);
+run the way that CI runs them: the same services (HTTP metadata server on 8080, mooncake_master
 with the same flags, the mooncake_client host), ports, environment and arguments. Each file
 runs in a network namespace of its own (``unshare --net``: loopback and a veth pair), so the
 fixed ports never collide with anything else on the machine and no traffic leaves it.
