@@ -91,7 +91,50 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class StoreClient:
+class SingleKeyForms:
+    """``put``/``get`` and friends for one key, on a client's batch forms (shared by
+    :class:`StoreClient` and the dummy client of ``store.local``)."""
+
+    def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
+        """Store ``value`` (any buffer) under ``key``; an existing key keeps its object
+        (ObjectAlreadyExists). Raises NoAvailableSpace, ..."""
+        self._raise(self.batch_put([key], [value], config)[0])
+
+    def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
+        """Store ``value``, replacing a previous object under ``key``."""
+        self._raise(self.batch_put([key], [value], config, upsert=True)[0])
+
+    def put_from(self, key: str, address: int, nbytes: int, config: ReplicateConfig | None = None,
+                 upsert: bool = False) -> None:
+        """Store ``nbytes`` at a registered ``address`` under ``key``."""
+        self._raise(self.batch_put_from([key], [address], [nbytes], config, upsert)[0])
+
+    def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None,
+                  upsert: bool = False) -> None:
+        """Store the concatenation of ``parts`` as one object."""
+        self._raise(self.batch_put_parts([key], [parts], config, upsert)[0])
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes. Raises ObjectNotFound, StoreTransferFailed, ..."""
+        return self._value(self.batch_get([key])[0])
+
+    def get_into(self, key: str, address: int, nbytes: int) -> int:
+        """Read the object into registered memory; returns its size."""
+        return self._value(self.batch_get_into([key], [address], [nbytes])[0])
+
+    @staticmethod
+    def _raise(err: StoreError | None) -> None:
+        if err is not None:
+            raise err
+
+    @staticmethod
+    def _value(out: Any) -> Any:
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+
+class StoreClient(SingleKeyForms):
     """One client of a Mooncake Store cluster.
 
     Args:
@@ -310,24 +353,6 @@ class StoreClient:
         return self.engine.local_view(address, nbytes)
 
     # -- puts ---------------------------------------------------------------------------
-    def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
-        """Store ``value`` (any buffer) under ``key``. Raises ObjectAlreadyExists, NoAvailableSpace, ..."""
-        self._raise(self.batch_put([key], [value], config)[0])
-
-    def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
-        """Store ``value``, replacing a previous object under ``key``."""
-        self._raise(self.batch_put([key], [value], config, upsert=True)[0])
-
-    def put_from(self, key: str, address: int, nbytes: int, config: ReplicateConfig | None = None,
-                 upsert: bool = False) -> None:
-        """Store ``nbytes`` at a registered ``address`` under ``key``."""
-        self._raise(self.batch_put_from([key], [address], [nbytes], config, upsert)[0])
-
-    def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None,
-                  upsert: bool = False) -> None:
-        """Store the concatenation of ``parts`` as one object."""
-        self._raise(self.batch_put_parts([key], [parts], config, upsert)[0])
-
     def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]],
                         config: ReplicateConfig | None = None,
                         upsert: bool = False) -> list[StoreError | None]:
@@ -469,20 +494,6 @@ class StoreClient:
             self._offloader.submit(lambda: None).result()
 
     # -- gets ---------------------------------------------------------------------------
-    def get(self, key: str) -> bytes:
-        """The object's bytes. Raises ObjectNotFound, StoreTransferFailed, ..."""
-        out = self.batch_get([key])[0]
-        if isinstance(out, Exception):
-            raise out
-        return out
-
-    def get_into(self, key: str, address: int, nbytes: int) -> int:
-        """Read the object into registered memory; returns its size."""
-        out = self.batch_get_into([key], [address], [nbytes])[0]
-        if isinstance(out, Exception):
-            raise out
-        return out
-
     def batch_get(self, keys: Sequence[str]) -> list[bytes | StoreError]:
         """Objects' bytes, or a per-key error."""
         bufs: dict[int, Any] = {}
@@ -727,11 +738,6 @@ class StoreClient:
         when given); leased or in-flight ones are kept. Returns the keys cleared."""
         return self._call("batch_replica_clear", client_id=self.client_id, keys=list(keys),
                           segment=segment)
-
-    @staticmethod
-    def _raise(err: StoreError | None) -> None:
-        if err is not None:
-            raise err
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:

@@ -19,7 +19,7 @@ from ...errors import (AddressError, InvalidParams, ProtocolError, RpcFailed, St
 from ...transfer import memory
 from ...transfer.protocol import unpack_bounded
 from ..allocation import OffsetAllocator
-from ..client import ReplicateConfig, StoreClient
+from ..client import ReplicateConfig, SingleKeyForms
 from ..rpc import RpcClient
 from .common import CONTROL_MSG_NBYTES, flatten
 
@@ -73,7 +73,7 @@ class _Segment:
         os.close(self.fd)
 
 
-class DummyClient:
+class DummyClient(SingleKeyForms):
     """The store operations of :class:`StoreClient`, served by a :class:`DummyHost`.
 
     Args:
@@ -284,21 +284,6 @@ class DummyClient:
         return seg.view(address, nbytes)
 
     # -- puts ---------------------------------------------------------------------------------
-    def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
-        StoreClient._raise(self.batch_put([key], [value], config)[0])
-
-    def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
-        StoreClient._raise(self.batch_put([key], [value], config, upsert=True)[0])
-
-    def put_from(self, key: str, address: int, nbytes: int, config: ReplicateConfig | None = None,
-                 upsert: bool = False) -> None:
-        StoreClient._raise(self.batch_put_from([key], [address], [nbytes], config, upsert)[0])
-
-    def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None,
-                  upsert: bool = False) -> None:
-        """Store the concatenation of ``parts`` as one object."""
-        StoreClient._raise(self.batch_put_parts([key], [parts], config, upsert)[0])
-
     def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]],
                         config: ReplicateConfig | None = None,
                         upsert: bool = False) -> list[StoreError | None]:
@@ -351,18 +336,6 @@ class DummyClient:
         return [store_error(code, msg) if code else None for code, msg in out]
 
     # -- gets ---------------------------------------------------------------------------------
-    def get(self, key: str) -> bytes:
-        out = self.batch_get([key])[0]
-        if isinstance(out, Exception):
-            raise out
-        return out
-
-    def get_into(self, key: str, address: int, nbytes: int) -> int:
-        out = self.batch_get_into([key], [address], [nbytes])[0]
-        if isinstance(out, Exception):
-            raise out
-        return out
-
     def batch_get(self, keys: Sequence[str]) -> list[bytes | StoreError]:
         """Objects' bytes: the host reads them into shared memory, copied out here once."""
         keys = list(keys)
@@ -418,7 +391,7 @@ class DummyClient:
         return r[0]
 
     def remove(self, key: str, force: bool = False) -> None:
-        StoreClient._raise(self.batch_remove([key], force)[0])
+        self._raise(self.batch_remove([key], force)[0])
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[StoreError | None]:
         out = self._rpc.call("remove", keys=list(keys), force=force) if keys else []
