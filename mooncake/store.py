@@ -1,16 +1,14 @@
 """``mooncake.store``: the original's Mooncake Store client API on our store."""
 
-from mooncake_plugins.compat.store import (BufferHandle, MooncakeDistributedStore,
-                                           ReplicaDescriptor, ReplicateConfig)
-from mooncake_plugins.compat.store_tensors import ParallelAxis, ReadTarget, TensorParallelism
 from mooncake.buffer_pool import BufferLease, BufferPool
-
-__all__ = ["BufferHandle", "MooncakeDistributedStore", "ReplicaDescriptor", "ReplicateConfig",
-           "ParallelAxis", "TensorParallelism", "ReadTarget"]
-__all__ += ["BufferLease", "BufferPool"]
-from mooncake_plugins.compat.store import (Descriptor, DiskDescriptor, MemoryDescriptor,
-                                           ObjectDataType, SoftPinAction)
+from mooncake_plugins.compat.store import (BufferHandle, Descriptor, DiskDescriptor,
+                                           MemoryDescriptor, MooncakeDistributedStore,
+                                           ObjectDataType, ReplicaDescriptor, ReplicateConfig,
+                                           SoftPinAction)
 from mooncake_plugins.compat.store_tasks import QueryTaskResponse, TaskStatus, TaskType
+from mooncake_plugins.compat.store_tensors import ParallelAxis, ReadTarget, TensorParallelism
 
-__all__ += ["Descriptor", "DiskDescriptor", "MemoryDescriptor", "ObjectDataType", "SoftPinAction",
-            "QueryTaskResponse", "TaskStatus", "TaskType"]
+__all__ = ["BufferHandle", "BufferLease", "BufferPool", "Descriptor", "DiskDescriptor",
+           "MemoryDescriptor", "MooncakeDistributedStore", "ObjectDataType", "ParallelAxis",
+           "QueryTaskResponse", "ReadTarget", "ReplicaDescriptor", "ReplicateConfig",
+           "SoftPinAction", "TaskStatus", "TaskType", "TensorParallelism"]
