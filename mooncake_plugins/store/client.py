@@ -91,9 +91,20 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class SingleKeyForms:
-    """``put``/``get`` and friends for one key, on a client's batch forms (shared by
-    :class:`StoreClient` and the dummy client of ``store.local``)."""
+class DerivedForms:
+    """The calls built on a client's batch primitives (``batch_put``, ``batch_put_parts``,
+    ``batch_put_from_parts``, ``batch_get``, ``batch_get_into``): the single-key forms and
+    ``batch_put_from``. Shared by :class:`StoreClient` and the dummy client of
+    ``store.local``."""
+
+    def batch_put_from(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int],
+                       config: ReplicateConfig | None = None,
+                       upsert: bool = False) -> list[StoreError | None]:
+        """Put objects from registered memory; returns a per-key error or None."""
+        if not len(keys) == len(addresses) == len(sizes):
+            raise InvalidParams("keys, addresses and sizes differ in length")
+        return self.batch_put_from_parts(keys, [[(a, n)] for a, n in zip(addresses, sizes)],
+                                         config, upsert)
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
         """Store ``value`` (any buffer) under ``key``; an existing key keeps its object
@@ -134,7 +145,7 @@ class SingleKeyForms:
         return out
 
 
-class StoreClient(SingleKeyForms):
+class StoreClient(DerivedForms):
     """One client of a Mooncake Store cluster.
 
     Args:
@@ -408,15 +419,6 @@ class StoreClient(SingleKeyForms):
                 raise exc from None
             regions.append(self.engine.register(copy, private=True))
         return regions[-1].address, regions[-1].nbytes
-
-    def batch_put_from(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int],
-                       config: ReplicateConfig | None = None,
-                       upsert: bool = False) -> list[StoreError | None]:
-        """Put objects from registered memory; returns a per-key error or None."""
-        if not len(keys) == len(addresses) == len(sizes):
-            raise InvalidParams("keys, addresses and sizes differ in length")
-        return self.batch_put_from_parts(keys, [[(a, n)] for a, n in zip(addresses, sizes)],
-                                         config, upsert)
 
     def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Sequence[tuple[int, int]]],
                              config: ReplicateConfig | None = None,

@@ -7,7 +7,6 @@ before ``Peer._lock``; RegionTable and Batch locks are leaves.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import logging
@@ -64,9 +63,6 @@ class ManagedBuffer:
         return memory.view_of(self.region.keepalive, self.address, self.nbytes)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL around each call
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and pages fault lazily
 _PREFAULT_CHUNK = 8 << 20
 
 
@@ -108,9 +104,9 @@ class _Memfd:
         """Fault ``nbytes`` at ``offset`` in, writable (contents untouched); False if the
         kernel cannot: too old (EINVAL, silently), or out of memory (logged: those pages
         then fault on first use, where an out-of-memory kill may hit whoever writes)."""
-        if _libc.madvise(self.export.address + offset, nbytes, _MADV_POPULATE_WRITE) == 0:
+        err = memory.populate(self.export.address + offset, nbytes, write=True)
+        if err == 0:
             return True
-        err = ctypes.get_errno()
         if err != errno.EINVAL:
             log.warning("shared memory of %d bytes could not be prefaulted past offset %d "
                         "(%s): the host may not have the memory this segment promises",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 from typing import Any
 
 from ..config import PURE_PYTHON
@@ -21,6 +22,21 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the build
     if not PURE_PYTHON:
         log.warning("native buffers unavailable (%s); using the ctypes fallback", exc)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL around each call
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_POPULATE = {False: 22, True: 23}  # MADV_POPULATE_READ / _WRITE, Linux 5.14+
+_PAGE = mmap.PAGESIZE
+
+
+def populate(address: int, nbytes: int, write: bool) -> int:
+    """Fault in the pages of a mapped range in one call, readable or writable (contents
+    untouched); 0, or the errno (EINVAL: a kernel without it; ENOMEM: no memory left)."""
+    start = address & ~(_PAGE - 1)
+    if _libc.madvise(start, address + nbytes - start, _MADV_POPULATE[write]) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 class _PyExport:

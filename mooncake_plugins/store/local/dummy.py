@@ -19,7 +19,7 @@ from ...errors import (AddressError, InvalidParams, ProtocolError, RpcFailed, St
 from ...transfer import memory
 from ...transfer.protocol import unpack_bounded
 from ..allocation import OffsetAllocator
-from ..client import ReplicateConfig, SingleKeyForms
+from ..client import ReplicateConfig, DerivedForms
 from ..rpc import RpcClient
 from .common import CONTROL_MSG_NBYTES, flatten
 
@@ -73,7 +73,7 @@ class _Segment:
         os.close(self.fd)
 
 
-class DummyClient(SingleKeyForms):
+class DummyClient(DerivedForms):
     """The store operations of :class:`StoreClient`, served by a :class:`DummyHost`.
 
     Args:
@@ -312,14 +312,6 @@ class DummyClient(SingleKeyForms):
         with self._staging(sizes) as addrs:
             memory.copy_many([(d, s, n) for d, (s, n) in zip(addrs, sources) if n])
             return self.batch_put_from(keys, addrs, sizes, config, upsert)
-
-    def batch_put_from(self, keys: Sequence[str], addresses: Sequence[int], sizes: Sequence[int],
-                       config: ReplicateConfig | None = None,
-                       upsert: bool = False) -> list[StoreError | None]:
-        if not len(keys) == len(addresses) == len(sizes):
-            raise InvalidParams("keys, addresses and sizes differ in length")
-        return self.batch_put_from_parts(keys, [[(a, n)] for a, n in zip(addresses, sizes)],
-                                         config, upsert)
 
     def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Sequence[tuple[int, int]]],
                              config: ReplicateConfig | None = None,

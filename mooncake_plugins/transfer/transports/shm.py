@@ -136,11 +136,7 @@ class _Mapping:
         self.map.close()
 
 
-_libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL around each call
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MADV_POPULATE = {False: 22, True: 23}  # MADV_POPULATE_READ / _WRITE, Linux 5.14+
 _POPULATE_MIN = 256 << 10
-_PAGE = mmap.PAGESIZE
 _populate_works = True
 
 
@@ -150,11 +146,8 @@ def _populate(address: int, nbytes: int, write: bool) -> None:
     build page tables for all of it), and one madvise costs far less than a page fault for
     each 4 KiB the copy touches. Best effort: a kernel without it just faults."""
     global _populate_works
-    if not _populate_works or nbytes < _POPULATE_MIN:
-        return
-    start = address & ~(_PAGE - 1)
-    if _libc.madvise(start, address + nbytes - start, _MADV_POPULATE[write]) != 0 \
-            and ctypes.get_errno() == errno.EINVAL:
+    if _populate_works and nbytes >= _POPULATE_MIN and \
+            memory.populate(address, nbytes, write) == errno.EINVAL:
         _populate_works = False
 
 
