@@ -1,13 +1,16 @@
-"""``mooncake.dataproto_catalog``: the original's ``DataProtoCatalog``.
+"""``mooncake.dataproto_catalog``: the original's ``DataProtoCatalog`` and
+``DataProtoCatalogTransfer``.
 
 The catalog is :class:`mooncake_plugins.store.catalog.DataProtoCatalog`, pure metadata
-with the original's methods, result shapes and ``ValueError`` messages. The original's
-``DataProtoCatalogTransfer`` (which writes fragments through
-``mooncake.structured_object_store``) is not provided.
+with the original's methods, result shapes and ``ValueError`` messages.
+``DataProtoCatalogTransfer`` (:mod:`mooncake_plugins.store.structured.catalog_transfer`)
+writes fragments through a ``mooncake.structured_object_store.MooncakeBundleTransfer`` and
+publishes them in a catalog reached through a ``catalog_call(method, *args, **kwargs)``.
 """
 
 from __future__ import annotations
 
 from mooncake_plugins.store.catalog import DataProtoCatalog
+from mooncake_plugins.store.structured.catalog_transfer import DataProtoCatalogTransfer
 
-__all__ = ["DataProtoCatalog"]
+__all__ = ["DataProtoCatalog", "DataProtoCatalogTransfer"]
