@@ -33,6 +33,33 @@ def _float_env(name: str, default: float) -> float:
         raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
 
 
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string such as "4GB", "512MiB", "64 kb" or "1073741824".
+
+    Raises:
+        ValueError: text that is no size, or a negative one.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"bad size {value!r}: bytes, or e.g. '16MB', '4 GiB'")
+    if isinstance(value, int):
+        n = value
+    else:
+        text = str(value).strip().upper().replace("IB", "B")
+        mult = 1
+        for suffix, scale in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10),
+                              ("B", 1)):
+            if text.endswith(suffix):
+                text, mult = text[:-len(suffix)].strip(), scale
+                break
+        try:
+            n = int(float(text) * mult)
+        except ValueError:
+            raise ValueError(f"bad size {value!r}: bytes, or e.g. '16MB', '4 GiB'") from None
+    if n < 0:
+        raise ValueError(f"bad size {value!r}: negative")
+    return n
+
+
 def spin_us() -> int:
     """How long a socket peer busy-polls for the next frame before sleeping (MC_SPIN_US).
 

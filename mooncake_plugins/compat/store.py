@@ -14,6 +14,7 @@ import os
 import random
 from typing import Any, Sequence
 
+from ..config import parse_size
 from ..errors import InvalidParams, MooncakeError, NotSupported, ObjectAlreadyExists
 from ..store.client import ReplicateConfig as _Config, StoreClient
 from ..transfer.memory import address_of
@@ -30,18 +31,11 @@ def _code(exc: BaseException) -> int:
 
 
 def _size(value: Any) -> int:
-    """Sizes as the frameworks pass them: ints, or strings such as "4GB", "512MiB", "1073741824"."""
-    if isinstance(value, int):
-        return value
-    text = str(value).strip().upper().replace("IB", "B")
+    """Sizes as the frameworks pass them: ints, or strings such as "4GB", "512MiB"."""
     try:
-        for suffix, mult in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10),
-                             ("B", 1)):
-            if text.endswith(suffix):
-                return int(float(text[:-len(suffix)]) * mult)
-        return int(text)
-    except ValueError:
-        raise InvalidParams(f"bad size {value!r}: bytes, or e.g. '16MB', '4 GiB'") from None
+        return parse_size(value)
+    except ValueError as exc:
+        raise InvalidParams(str(exc)) from None
 
 
 class SoftPinAction(enum.IntEnum):

@@ -1,0 +1,23 @@
+"""vLLM KV connectors over mooncake_plugins.
+
+``register`` is this distribution's ``vllm.general_plugins`` entry point: vLLM calls it in
+its front-end, engine-core and worker processes, and it makes our connectors selectable by
+name in ``--kv-transfer-config``. It only records module paths (vLLM imports a connector
+when it is used) and tolerates being called more than once.
+"""
+
+from __future__ import annotations
+
+CONNECTORS = {
+    "MooncakePluginsStoreConnector": ("mooncake_vllm.store_connector",
+                                      "MooncakePluginsStoreConnector"),
+}
+
+
+def register() -> None:
+    """Make our connectors known to vLLM's ``KVConnectorFactory`` (idempotent)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    for name, (module, cls) in CONNECTORS.items():
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, module, cls)

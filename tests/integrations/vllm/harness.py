@@ -1,0 +1,143 @@
+"""vLLM's own scheduler and our connector's worker side in one process, stepped by hand.
+
+``MiniEngine`` is what an engine does around the connector, without a model: each step
+it schedules, lets the worker side load and save, "computes" the scheduled tokens by
+writing a value that depends only on (token, position) into their KV slots, and feeds
+vLLM a model-runner output (with the connector's results) back. A block loaded from the
+store must therefore hold exactly the values a computation would have written.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                         SchedulerConfig, VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.plugins import load_general_plugins
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK = 16
+CONNECTOR = "MooncakePluginsStoreConnector"
+
+init_none_hash(sha256)
+
+
+def slot_value(token: int, position: int) -> float:
+    return float(token * 4096 + position + 1)
+
+
+class MiniEngine:
+    """A scheduler, a worker-side connector and a CPU KV cache of ``num_blocks`` blocks."""
+
+    def __init__(self, model_dir: str, extra: dict[str, Any], *, num_blocks: int = 64,
+                 batch_tokens: int = 64, role: str = "kv_both",
+                 policy: str = "recompute", connector: str = CONNECTOR) -> None:
+        load_general_plugins()
+        self.config = VllmConfig(
+            model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8, max_num_batched_tokens=batch_tokens, max_model_len=1024,
+                enable_chunked_prefill=True, is_encoder_decoder=False,
+                disable_hybrid_kv_cache_manager=True),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=connector, kv_role=role, kv_load_failure_policy=policy,
+                kv_connector_extra_config=extra),
+            device_config=DeviceConfig("cpu"))
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        kv_config = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer.0", "layer.1"], FullAttentionSpec(
+                block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kv_config,
+                                   log_stats=True,
+                                   structured_output_manager=StructuredOutputManager(self.config),
+                                   block_size=BLOCK)
+        self.connector = self.scheduler.connector
+        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER,
+                                                          kv_config)
+        # CPU attention layout: [num_blocks, kv_heads, block_size, 2 * head_size]
+        self.kv = {name: torch.zeros(num_blocks, 1, BLOCK, 2) for name in ("layer.0", "layer.1")}
+        self.worker.register_kv_caches(self.kv)
+        self.finished_pending: set[str] = set()
+        self.metas: list[Any] = []
+        self.outputs: list[ModelRunnerOutput] = []
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+        req = Request(request_id=req_id, prompt_token_ids=list(prompt),
+                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self) -> Any:
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        self.metas.append(meta)
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        self._compute(out)
+        w.wait_for_save()
+        done_sending, _ = w.get_finished(out.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        stats = w.get_kv_connector_stats()
+        w.clear_connector_metadata()
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.scheduler.requests[rid]   # schedule() advanced num_computed_tokens
+            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        result = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(finished_sending=done_sending,
+                                                  invalid_block_ids=invalid,
+                                                  kv_connector_stats=stats))
+        self.outputs.append(result)
+        self.scheduler.update_from_output(out, result)
+        return out
+
+    def _compute(self, out: Any) -> None:
+        """Write the scheduled tokens' KV values (as a forward pass would)."""
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            tokens = req.all_token_ids
+            end = req.num_computed_tokens   # schedule() already counted this step's tokens
+            for p in range(end - n, end):
+                for t in self.kv.values():
+                    t[ids[p // BLOCK], 0, p % BLOCK, :] = slot_value(tokens[p], p)
+
+    def run(self, timeout_s: float = 30.0) -> None:
+        """Step until no request is left (finished requests' blocks freed too); a step
+        with nothing to schedule waits a little, as saves finish in the background."""
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.requests:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"requests still open after {timeout_s} s: "
+                                     f"{list(self.scheduler.requests)}")
+            if not self.step().num_scheduled_tokens:
+                time.sleep(0.005)
+
+    def block_ok(self, block_id: int, tokens: list[int], first_pos: int) -> bool:
+        """Whether the block holds the values computing ``tokens`` at ``first_pos`` gives."""
+        want = torch.tensor([slot_value(t, first_pos + i) for i, t in enumerate(tokens)])
+        return all(torch.equal(t[block_id, 0, :, 0], want) and torch.equal(t[block_id, 0, :, 1], want)
+                   for t in self.kv.values())
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.connector.shutdown()
