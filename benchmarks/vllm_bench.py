@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""vLLM on CPU with a KV store connector: the save path and the hit path, one run.
+
+Run with the vLLM venv's python (``.ci/run`` makes ``.venv-vllm``)::
+
+    .venv-vllm/bin/python benchmarks/vllm_bench.py
+
+Each variant gets a fresh master and a holder process (a 1 GiB segment: the KV outlives
+the engines). Engine A (a fresh process) generates for ``--prompts`` distinct prompts and
+saves their blocks; engine B (another fresh process) generates for the same prompts and
+loads them. Both warm up first with a prompt shorter than one block (nothing is saved or
+loaded), so the timed ``generate`` is the connector's path, not vLLM's first-call cost.
+Variants: no connector; our ``MooncakePluginsStoreConnector``; vLLM's in-tree
+``MooncakeStoreConnector`` on our drop-in ``mooncake`` package; the same in-tree connector on
+the original wheel (``mooncake-transfer-engine-non-cuda==0.3.13.post1``, its own master and
+holder from benchmarks/.venv-orig, its Python modules put first on the engines' path).
+Prints a table; writes benchmarks/results/vllm_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from compat_bench import start_master  # noqa: E402
+from store_bench import spawn, stop_all  # noqa: E402
+from transfer_bench import ensure_original, log  # noqa: E402
+
+RUN_LLM = str(ROOT / "tests" / "integrations" / "vllm" / "run_llm.py")
+WORKLOAD = str(HERE / "compat_workload.py")
+ORIG_MODULES = HERE / ".orig-mooncake"   # the original wheel's files, for the vLLM venv
+ORIG_WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+
+
+def tiny_llama(layers: int) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch
+
+    d = tempfile.mkdtemp(prefix="vllm-bench-model-")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=layers, vocab_size=1024, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)).save_pretrained(d)
+    return d
+
+
+def run_engine(model: str, a: argparse.Namespace, kv: dict | None, env: dict) -> dict:
+    out = tempfile.mktemp(suffix=".json")
+    rpc = tempfile.mkdtemp(prefix="vllm-rpc-")
+    cmd = [sys.executable, RUN_LLM, model, out, "--prompt-len", str(a.prompt_len),
+           "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens), "--warmup"]
+    if kv:
+        cmd += ["--kv-config", json.dumps(kv)]
+    try:
+        p = subprocess.run(cmd, cwd=tempfile.gettempdir(), capture_output=True, text=True,
+                           timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
+                                             "VLLM_HOST_IP": "127.0.0.1",
+                                             "VLLM_RPC_BASE_PATH": rpc, **env})
+        if p.returncode:
+            raise RuntimeError(f"engine failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+        return json.loads(Path(out).read_text())
+    finally:
+        shutil.rmtree(rpc, ignore_errors=True)
+        Path(out).unlink(missing_ok=True)
+
+
+def variant(name: str, system: str, model: str, a: argparse.Namespace) -> dict:
+    """Engine A (saves) then engine B (loads) against a fresh store of ``system``."""
+    py = sys.executable if system == "ours" else str(ensure_original())
+    master, address, metadata = start_master(system, py)
+    procs = [master]
+    env: dict[str, str] = {}
+    try:
+        holder = spawn([py, WORKLOAD, "--master", address, "--metadata", metadata,
+                        "--role", "holder", "--segment", str(1 << 30)],
+                       cwd=tempfile.gettempdir(), stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                       env={**os.environ, "GLOG_minloglevel": "2", "MC_LOG_LEVEL": "ERROR"})
+        procs.append(holder)
+        if not holder.stdout.readline().startswith(b"READY"):
+            raise RuntimeError(f"{system} holder did not start")
+        if name == "ours":
+            kv = {"kv_connector": "MooncakePluginsStoreConnector", "kv_role": "kv_both",
+                  "kv_load_failure_policy": "recompute",
+                  "kv_connector_extra_config": {"master_server_address": address,
+                                                "global_segment_size": 0}}
+        else:
+            conf = Path(tempfile.mkdtemp(prefix="vllm-bench-")) / "mooncake.json"
+            conf.write_text(json.dumps({
+                "metadata_server": metadata, "master_server_address": address,
+                "protocol": "tcp", "device_name": "", "mode": "standalone-store",
+                "global_segment_size": 0, "local_buffer_size": "256MB"}))
+            kv = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                  "kv_load_failure_policy": "recompute"}
+            env = {"MOONCAKE_CONFIG_PATH": str(conf), "GLOG_minloglevel": "2",
+                   "MC_LOG_LEVEL": "ERROR"}
+            if system == "original":
+                env["PYTHONPATH"] = str(ORIG_MODULES)
+        log(f"{name}: engine A (saves)")
+        save = run_engine(model, a, kv, env)
+        log(f"{name}: engine B (loads)")
+        hit = run_engine(model, a, kv, env)
+        return {"save": save, "hit": hit}
+    finally:
+        stop_all(procs)
+
+
+def ensure_original_modules() -> bool:
+    if (ORIG_MODULES / "mooncake" / "store.so").exists():
+        return True
+    log(f"installing {ORIG_WHEEL}'s files into {ORIG_MODULES} ...")
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                        str(ORIG_MODULES), ORIG_WHEEL], capture_output=True, text=True)
+    if p.returncode:
+        log(f"original wheel unavailable: {p.stderr[-500:]}")
+    return p.returncode == 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=1025, help="8 CPU blocks and a token")
+    ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--skip-original", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "results" / "vllm_bench.json"))
+    a = ap.parse_args()
+    model = tiny_llama(a.layers)
+    try:
+        log("no connector")
+        results = {"none": {"hit": run_engine(model, a, None, {})}}
+        plan = [("ours", "ours"), ("in-tree on ours", "ours")]
+        if not a.skip_original and ensure_original() and ensure_original_modules():
+            plan.append(("in-tree on original", "original"))
+        for name, system in plan:
+            results[name] = variant(name, system, model, a)
+    finally:
+        shutil.rmtree(model, ignore_errors=True)
+    want = [r["tokens"] for r in results["none"]["hit"]["requests"]]
+    rows = []
+    print(f"\n{os.cpu_count()} cores; tiny Llama ({a.layers} layers, 2 KV heads x 64), "
+          f"{a.prompts} prompts x {a.prompt_len} tokens, max_tokens {a.max_tokens}; "
+          "generate seconds after a warm-up, fresh engine processes")
+    print("\n| connector | save path generate (s) | hit path generate (s) | "
+          "cached tokens (hit) | tokens = no connector |")
+    print("|---|---:|---:|---:|---|")
+    for name, r in results.items():
+        hit = r["hit"]
+        cached = sum(q["num_cached_tokens"] for q in hit["requests"])
+        same = [q["tokens"] for q in hit["requests"]] == want
+        save = r.get("save", {}).get("seconds")
+        rows.append({"connector": name, "save_s": save, "hit_s": hit["seconds"],
+                     "cached_tokens": cached, "same_tokens": same})
+        print(f"| {name} | {'' if save is None else f'{save:.3f}'} | {hit['seconds']:.3f} | "
+              f"{cached} | {'yes' if same else 'NO'} |")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                               "host": platform.node(), "cpus": os.cpu_count(),
+                               "params": vars(a), "rows": rows, "raw": results}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
