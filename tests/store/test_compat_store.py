@@ -20,6 +20,19 @@ def stores(master, metadata_server):
     assert a.close() == 0 and b.close() == 0
 
 
+def test_put_batch_takes_one_value_under_several_keys(stores):
+    """Valid input for the original: the same buffer, and slices of one, under many keys."""
+    a, b = stores
+    value = bytes(range(256)) * 4
+    assert a.put_batch(["s1", "s2", "s3"], [value] * 3) == 0
+    arr = np.arange(100, dtype=np.uint8)
+    assert a.put_batch(["w", "w-slice"], [arr, arr[10:50]]) == 0
+    assert a.put_batch(["v-tail", "v"], [memoryview(value)[10:], value]) == 0
+    assert b.get_batch(["s1", "s2", "s3"]) == [value] * 3
+    assert b.get("w") == arr.tobytes() and b.get("w-slice") == arr[10:50].tobytes()
+    assert b.get("v-tail") == value[10:] and b.get("v") == value
+
+
 def test_basic_calls_and_codes(stores):
     a, b = stores
     assert a.put("k", b"value") == 0
