@@ -11,6 +11,7 @@ from __future__ import annotations
 CONNECTORS = {
     "MooncakePluginsStoreConnector": ("mooncake_vllm.store_connector",
                                       "MooncakePluginsStoreConnector"),
+    "MooncakePluginsPDConnector": ("mooncake_vllm.pd_connector", "MooncakePluginsPDConnector"),
 }
 
 

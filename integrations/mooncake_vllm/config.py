@@ -110,3 +110,39 @@ class StoreSettings:
         if self.transfer_timeout_s <= 0 or self.rpc_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
 
+
+@dataclasses.dataclass(frozen=True)
+class PDSettings:
+    """How prefill and decode workers reach each other (the P/D connector's keys)."""
+
+    local_hostname: str = dataclasses.field(default_factory=default_hostname)
+    """Address this worker's transfer engine and side channel listen on (and advertise)."""
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    """"tcp": shared memory to a decode on this host, tcp to others; "shm": this host only."""
+    side_channel_port: int = 0
+    """Prefill side: TP rank r listens on this port + r (0: a free port each, advertised
+    in the request's kv_transfer_params)."""
+    connect_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0
+    """Longest a prefill worker may take to write one request's blocks."""
+    pull_wait_s: float = 30.0
+    """How long a decode's request may wait for the prefill to finish computing."""
+    abort_timeout_s: float = 120.0
+    """Prefill side: blocks of a request no decode asked for are freed after this."""
+    pull_threads: int = 4
+    """Decode side: requests asked for at once."""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("tcp", "shm"):
+            raise ValueError(f"protocol {self.protocol!r}: this build moves bytes over "
+                             "'tcp' (shared memory between processes of one host is used "
+                             "automatically) or 'shm'")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ValueError(f"side_channel_port {self.side_channel_port} is not a port")
+        for name in ("connect_timeout_s", "transfer_timeout_s", "pull_wait_s",
+                     "abort_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 1 <= self.pull_threads <= 64:
+            raise ValueError(f"pull_threads must be in 1..64, got {self.pull_threads}")

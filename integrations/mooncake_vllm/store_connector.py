@@ -16,67 +16,47 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from .config import StoreSettings, from_extra_config
+from .connector_base import SplitConnector, tp_rank
 from .keys import BlockKeys
-from .stats import TransferStats
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
 NAME = "MooncakePluginsStoreConnector"
 
 
-def tp_rank() -> int:
-    """This worker's tensor-parallel rank (0 outside an initialised model-parallel group)."""
-    from vllm.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 0
-    return parallel_state.get_tensor_model_parallel_rank()
-
-
-class MooncakePluginsStoreConnector(KVConnectorBase_V1):
+class MooncakePluginsStoreConnector(SplitConnector):
     """A prefix KV pool over our store; see the module docstring."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        if kv_cache_config is None:
-            raise ValueError(f"{NAME} needs vLLM's kv_cache_config (vLLM >= 0.32)")
-        settings = from_extra_config(StoreSettings,
-                                     self._kv_transfer_config.kv_connector_extra_config, NAME)
-        keys = BlockKeys(vllm_config, kv_cache_config, settings.key_prefix)
-        self._scheduler = self._worker = None
-        if role == KVConnectorRole.SCHEDULER:
-            from .store_scheduler import StoreScheduler
+    NAME = NAME
 
-            self._scheduler = StoreScheduler(vllm_config, settings, keys)
-        else:
-            from .store_worker import StoreWorker
+    def _settings(self) -> StoreSettings:
+        return from_extra_config(StoreSettings,
+                                 self._kv_transfer_config.kv_connector_extra_config, NAME)
 
-            self._worker = StoreWorker(settings, keys, kv_cache_config.num_blocks, tp_rank())
+    def _build_scheduler(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Any:
+        from .store_scheduler import StoreScheduler
+
+        settings = self._settings()
+        return StoreScheduler(vllm_config, settings,
+                              BlockKeys(vllm_config, kv_cache_config, settings.key_prefix))
+
+    def _build_worker(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Any:
+        from .store_worker import StoreWorker
+
+        settings = self._settings()
+        return StoreWorker(settings, BlockKeys(vllm_config, kv_cache_config, settings.key_prefix),
+                           kv_cache_config.num_blocks, tp_rank())
 
     # -- worker side --------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        self._worker.register_kv_caches(kv_caches)
-
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self._worker.handle_preemptions(kv_connector_metadata)
-
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in :meth:`start_load_kv`, before the forward pass."""
@@ -98,30 +78,3 @@ class MooncakePluginsStoreConnector(KVConnectorBase_V1):
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
-
-    def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
-
-    def request_finished(self, request: "Request",
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
-
-    # -- both ---------------------------------------------------------------------------
-    def get_kv_connector_stats(self) -> TransferStats | None:
-        side = self._scheduler or self._worker
-        return side.get_kv_connector_stats()
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats:
-        return TransferStats(data=dict(data or {}))
-
-    def shutdown(self) -> None:
-        (self._scheduler or self._worker).shutdown()

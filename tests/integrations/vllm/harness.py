@@ -70,18 +70,23 @@ class MiniEngine:
         # CPU attention layout: [num_blocks, kv_heads, block_size, 2 * head_size]
         self.kv = {name: torch.zeros(num_blocks, 1, BLOCK, 2) for name in ("layer.0", "layer.1")}
         self.worker.register_kv_caches(self.kv)
-        self.finished_pending: set[str] = set()
         self.metas: list[Any] = []
         self.outputs: list[ModelRunnerOutput] = []
+        self.results: list[KVConnectorOutput] = []
+        self.answers: dict[str, dict[str, Any] | None] = {}   # finished: kv_transfer_params
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
+            kv_transfer_params: dict[str, Any] | None = None) -> Request:
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
         req = Request(request_id=req_id, prompt_token_ids=list(prompt),
-                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                     extra_args=extra),
                       pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
         self.scheduler.add_request(req)
         return req
 
     def step(self) -> Any:
+        """One engine step, with the worker hooks in the model runner's order."""
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         self.metas.append(meta)
@@ -91,9 +96,12 @@ class MiniEngine:
         w.start_load_kv(None)
         self._compute(out)
         w.wait_for_save()
-        done_sending, _ = w.get_finished(out.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        stats = w.get_kv_connector_stats()
+        results = w.get_transfer_results(out.finished_req_ids)
+        kv_out = KVConnectorOutput(finished_sending=results.finished_sending,
+                                   finished_recving=results.finished_recving,
+                                   failed_recving=results.failed_recving,
+                                   invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                   kv_connector_stats=w.get_kv_connector_stats())
         w.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
@@ -102,13 +110,19 @@ class MiniEngine:
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
         result = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(finished_sending=done_sending,
-                                                  invalid_block_ids=invalid,
-                                                  kv_connector_stats=stats))
+            sampled_token_ids=sampled, kv_connector_output=kv_out)
+        self.results.append(kv_out)
         self.outputs.append(result)
-        self.scheduler.update_from_output(out, result)
+        for core_out in self.scheduler.update_from_output(out, result).values():
+            for o in core_out.outputs:
+                if o.finish_reason is not None:
+                    self.answers[o.request_id] = o.kv_transfer_params
         return out
+
+    def stat(self, name: str) -> float:
+        """A connector counter summed over every step so far."""
+        return sum(r.kv_connector_stats.data.get(name, 0) for r in self.results
+                   if r.kv_connector_stats is not None)
 
     def _compute(self, out: Any) -> None:
         """Write the scheduled tokens' KV values (as a forward pass would)."""

@@ -1,0 +1,169 @@
+"""Disaggregated prefill end to end: a prefill and a decode vLLM engine (CPU), each in
+its own process, and the example proxy's routing function between them.
+
+The decode side's greedy tokens and logprobs must equal a single engine's (``run_llm.py``
+without a connector); a prefill killed before the transfer must leave the decode able
+to answer by computing the prompt itself. Two engines share this 2-core machine: each
+is bound to its own core, the decode starts first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from helpers import LineChild
+from run_llm import prompt_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+from vllm_pd_proxy import disaggregated_generate, prefill_request  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+PROMPT_LEN = 600                    # 4 full blocks of 128 and 88 tokens: 5 blocks move
+MAX_TOKENS = 8
+SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1,
+            "detokenize": False, "ignore_eos": True}
+BLOCK_NBYTES = 2 * 2 * 64 * 2 * 128 * 4   # layers x kv heads x head dim x K,V x 128 x fp32
+START_S = 240
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@dataclass
+class Engine:
+    child: LineChild
+    log: Path
+
+    def generate(self, prompt: list[int], sampling: dict[str, Any],
+                 kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+        line = json.dumps({"prompt": prompt, "sampling": sampling,
+                           "kv_transfer_params": kv_transfer_params})
+        return json.loads(self.child.ask(line, timeout_s=120))
+
+
+@dataclass
+class Setup:
+    baseline: list[dict[str, Any]]
+    prefill: Engine
+    decode: Engine
+
+
+def _env(tmp: Path, name: str, core: str) -> dict[str, str]:
+    log = tmp / f"{name}.log"
+    config = tmp / f"{name}-logging.json"
+    handler = {"class": "logging.FileHandler", "filename": str(log), "formatter": "plain"}
+    config.write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(asctime)s %(process)d %(name)s "
+                                           "%(levelname)s %(message)s"}},
+        "handlers": {"file": handler},
+        "loggers": {n: {"handlers": ["file"], "level": "INFO", "propagate": False}
+                    for n in ("vllm", "mooncake_vllm", "mooncake_plugins")}}))
+    rpc = tmp / f"{name}-rpc"
+    rpc.mkdir()
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": core, "VLLM_RPC_BASE_PATH": str(rpc),
+            "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_LOGGING_CONFIG_PATH": str(config)}
+
+
+def _start(model: str, tmp: Path, name: str, core: str, role: str) -> Engine:
+    kv = {"kv_connector": "MooncakePluginsPDConnector", "kv_role": role,
+          "kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {"pull_wait_s": 20, "transfer_timeout_s": 20}}
+    env = _env(tmp, name, core)
+    child = LineChild([sys.executable, str(HERE / "run_pd.py"), model,
+                       "--kv-config", json.dumps(kv)], timeout_s=START_S, env=env)
+    return Engine(child, tmp / f"{name}.log")
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama, tmp_path_factory) -> Iterator[Setup]:
+    tmp = tmp_path_factory.mktemp("pd-engines")
+    out = tmp / "baseline.json"
+    baseline = subprocess.Popen(
+        [sys.executable, str(HERE / "run_llm.py"), tiny_llama, str(out), "--prompt-len",
+         str(PROMPT_LEN), "--prompts", "2", "--max-tokens", str(MAX_TOKENS)],
+        env=_env(tmp, "baseline", "0"), stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    engines: list[Engine] = []
+    try:
+        engines.append(_start(tiny_llama, tmp, "decode", "1", "kv_consumer"))
+        assert baseline.wait(START_S) == 0, "the baseline engine failed"
+        engines.append(_start(tiny_llama, tmp, "prefill", "0", "kv_producer"))
+        yield Setup(json.loads(out.read_text())["requests"], engines[1], engines[0])
+    finally:
+        if baseline.poll() is None:
+            os.killpg(baseline.pid, signal.SIGKILL)
+            baseline.wait()
+        for e in engines:
+            e.child.close()
+
+
+def _shm_inodes_of_group(pgid: int) -> set[int]:
+    """Inodes of the /dev/shm files the processes of group ``pgid`` map or hold open
+    (by inode: a POSIX semaphore is mapped under a temporary name, then renamed)."""
+    inodes: set[int] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                inodes |= {int(fields[4]) for fields in map(str.split, f)
+                           if len(fields) >= 6 and fields[5].startswith("/dev/shm/")}
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                    inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except (OSError, ValueError, IndexError):
+            continue
+    return inodes
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL a child's whole group (a crash), then remove the shared memory it left."""
+    inodes = _shm_inodes_of_group(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for entry in os.scandir("/dev/shm"):
+        try:
+            if entry.inode() in inodes:
+                os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+
+
+def _same_as_baseline(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["tokens"] == want["tokens"]
+    assert len(got["logprobs"]) == MAX_TOKENS
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) < 1e-4
+
+
+def test_decode_generates_from_the_prefills_kv(setup):
+    prompt = prompt_tokens(PROMPT_LEN, 0)
+    got = disaggregated_generate(setup.prefill.generate, setup.decode.generate, prompt,
+                                 SAMPLING)
+    _same_as_baseline(got, setup.baseline[0])
+    assert got["num_cached_tokens"] == PROMPT_LEN, "the transferred prompt counts as cached"
+    sent = re.findall(r"wrote (\d+) blocks \((\d+) bytes\)", setup.prefill.log.read_text())
+    received = re.findall(r"received (\d+) blocks \((\d+) bytes\)",
+                          setup.decode.log.read_text())
+    assert sent == received == [("5", str(5 * BLOCK_NBYTES))]
+
+
+def test_a_prefill_killed_before_the_transfer_leaves_decode_computing(setup):
+    prompt = prompt_tokens(PROMPT_LEN, 1)
+    params = prefill_request(setup.prefill.generate, prompt, SAMPLING)
+    assert params is not None and params["do_remote_prefill"]
+    _kill(setup.prefill.child.proc)
+    got = setup.decode.generate(prompt, SAMPLING, params)
+    _same_as_baseline(got, setup.baseline[1])
+    assert "not received" in setup.decode.log.read_text()
+    assert got["num_cached_tokens"] == 0, "nothing was received: all of it was computed"
