@@ -98,9 +98,10 @@ def store_config(address: str, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def baseline(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """What the engine answers without any connector."""
+def baseline(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """What the engine answers without any connector, for the tests' two prompts."""
     from engines import run_engine
 
-    result, _ = run_engine(tiny_llama, tmp_path_factory.mktemp("baseline"), "baseline")
-    return result
+    results, _ = run_engine(tiny_llama, tmp_path_factory.mktemp("baseline"), "baseline",
+                            prompts=2)
+    return results

@@ -18,11 +18,13 @@ FULL_BLOCK_TOKENS = 640
 
 
 def run_engine(model: str, tmp_path: Path, name: str, kv: dict | None = None,
-               env: dict | None = None) -> tuple[dict, str]:
-    """One engine process over the prompt; (its JSON result, its log)."""
+               env: dict | None = None, prompts: int = 1) -> tuple[list[dict], str]:
+    """One engine process over ``prompts`` distinct prompts of ``PROMPT_LEN`` tokens;
+    (one JSON result per prompt, the engine's log)."""
     out, log = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
     rpc = tempfile.mkdtemp(prefix="vllm-rpc-")   # zmq ipc paths must stay short
-    cmd = [sys.executable, RUN_LLM, model, str(out), "--prompt-len", str(PROMPT_LEN)]
+    cmd = [sys.executable, RUN_LLM, model, str(out), "--prompt-len", str(PROMPT_LEN),
+           "--prompts", str(prompts)]
     if kv is not None:
         cmd += ["--kv-config", json.dumps(kv)]
     child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
@@ -37,7 +39,7 @@ def run_engine(model: str, tmp_path: Path, name: str, kv: dict | None = None,
             shutil.rmtree(rpc, ignore_errors=True)
     text = log.read_text(errors="replace")
     assert rc == 0, f"engine {name} failed (rc {rc}):\n{text[-4000:]}"
-    return json.loads(out.read_text())["requests"][0], text
+    return json.loads(out.read_text())["requests"], text
 
 
 def same_answer(got: dict, want: dict) -> None:

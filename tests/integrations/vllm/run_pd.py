@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,10 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--kv-config", required=True, help="KVTransferConfig fields as JSON")
     args = ap.parse_args()
+    # the protocol keeps fd 1 to itself; whatever else writes to stdout (e.g. the access
+    # log of vLLM's in-tree Mooncake bootstrap server) goes to stderr
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
 
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -34,13 +39,13 @@ def main() -> None:
               max_model_len=2048, max_num_seqs=4, disable_hybrid_kv_cache_manager=True,
               kv_transfer_config=KVTransferConfig(**json.loads(args.kv_config)), seed=0)
     generate = llm_generate(llm)
-    print("READY {}", flush=True)
+    print("READY {}", file=reply, flush=True)
     for line in sys.stdin:
         if line.strip() == "quit":
             break
         req = json.loads(line)
         out = generate(req["prompt"], req["sampling"], req.get("kv_transfer_params"))
-        print(json.dumps(out), flush=True)
+        print(json.dumps(out), file=reply, flush=True)
 
 
 if __name__ == "__main__":

@@ -23,33 +23,30 @@ def ours(address: str) -> dict:
             "kv_connector_extra_config": store_config(address)}
 
 
-def test_fresh_engine_loads_the_prompt_from_the_store(store, tiny_llama, baseline, tmp_path):
-    first, _ = run_engine(tiny_llama, tmp_path, "first", ours(store.address))
-    assert first["num_cached_tokens"] == 0
-    same_answer(first, baseline)
-    second, _ = run_engine(tiny_llama, tmp_path, "second", ours(store.address))
-    # every full block of the prompt came from the store (a fresh process: vLLM's own
-    # prefix cache is empty)
-    assert second["num_cached_tokens"] >= 0.9 * FULL_BLOCK_TOKENS
-    same_answer(second, baseline)
-
-
-def test_engine_serves_with_the_master_down(store, tiny_llama, baseline, tmp_path):
-    run_engine(tiny_llama, tmp_path, "first", ours(store.address))
-    store.stop_master()
-    second, log = run_engine(tiny_llama, tmp_path, "second", ours(store.address))
-    assert second["num_cached_tokens"] == 0
-    same_answer(second, baseline)
-    assert "unreachable" in log
-
-
-# the master keeps a silent client's objects listed for 5 minutes: the next engine finds
-# them, and its loads fail
+# The master keeps a silent client's objects listed for 5 minutes, so after the holder is
+# killed the next engine still finds the blocks and its loads fail. One sequence, so that
+# the five engine starts (about 40 s each here) are not multiplied per fault.
 @pytest.mark.master_flags("--client_ttl", "300")
-def test_engine_recomputes_when_the_holder_is_killed(store, tiny_llama, baseline, tmp_path):
-    run_engine(tiny_llama, tmp_path, "first", ours(store.address))
-    os.killpg(store.holder.proc.pid, signal.SIGKILL)   # the bytes are gone, the index not yet
+def test_store_connector_end_to_end_and_under_faults(store, tiny_llama, baseline, tmp_path):
+    (first,), _ = run_engine(tiny_llama, tmp_path, "first", ours(store.address))
+    assert first["num_cached_tokens"] == 0
+    same_answer(first, baseline[0])
+
+    # a fresh process (vLLM's own prefix cache is empty) loads every full prompt block
+    (second,), _ = run_engine(tiny_llama, tmp_path, "second", ours(store.address))
+    assert second["num_cached_tokens"] >= 0.9 * FULL_BLOCK_TOKENS
+    same_answer(second, baseline[0])
+
+    # the holder dies: the bytes are gone, the index not yet; loads fail, vLLM recomputes
+    os.killpg(store.holder.proc.pid, signal.SIGKILL)
     store.holder.proc.wait()
-    second, log = run_engine(tiny_llama, tmp_path, "second", ours(store.address))
-    same_answer(second, baseline)
+    (third,), log = run_engine(tiny_llama, tmp_path, "third", ours(store.address))
+    same_answer(third, baseline[0])
     assert "not loaded" in log and "recomputes" in log
+
+    # the master is down: every lookup misses, the engine computes and says why
+    store.stop_master()
+    (fourth,), log = run_engine(tiny_llama, tmp_path, "fourth", ours(store.address))
+    assert fourth["num_cached_tokens"] == 0
+    same_answer(fourth, baseline[0])
+    assert "unreachable" in log

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from engines import PROMPT_LEN   # 5 full blocks of 128 and 1 token: 6 blocks move
 from helpers import LineChild
 from run_llm import prompt_tokens
 
@@ -27,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 from vllm_pd_proxy import disaggregated_generate, prefill_request  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-PROMPT_LEN = 600                    # 4 full blocks of 128 and 88 tokens: 5 blocks move
 MAX_TOKENS = 8
 SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1,
             "detokenize": False, "ignore_eos": True}
@@ -51,7 +51,7 @@ class Engine:
 
 @dataclass
 class Setup:
-    baseline: list[dict[str, Any]]
+    baseline: list[dict[str, Any]]   # the session's no-connector engine, two prompts
     prefill: Engine
     decode: Engine
 
@@ -85,24 +85,14 @@ def _start(model: str, tmp: Path, name: str, core: str, role: str) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_llama, tmp_path_factory) -> Iterator[Setup]:
+def setup(tiny_llama, baseline, tmp_path_factory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("pd-engines")
-    out = tmp / "baseline.json"
-    baseline = subprocess.Popen(
-        [sys.executable, str(HERE / "run_llm.py"), tiny_llama, str(out), "--prompt-len",
-         str(PROMPT_LEN), "--prompts", "2", "--max-tokens", str(MAX_TOKENS)],
-        env=_env(tmp, "baseline", "0"), stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     engines: list[Engine] = []
     try:
         engines.append(_start(tiny_llama, tmp, "decode", "1", "kv_consumer"))
-        assert baseline.wait(START_S) == 0, "the baseline engine failed"
         engines.append(_start(tiny_llama, tmp, "prefill", "0", "kv_producer"))
-        yield Setup(json.loads(out.read_text())["requests"], engines[1], engines[0])
+        yield Setup(baseline, engines[1], engines[0])
     finally:
-        if baseline.poll() is None:
-            os.killpg(baseline.pid, signal.SIGKILL)
-            baseline.wait()
         for e in engines:
             e.child.close()
 
@@ -155,7 +145,7 @@ def test_decode_generates_from_the_prefills_kv(setup):
     sent = re.findall(r"wrote (\d+) blocks \((\d+) bytes\)", setup.prefill.log.read_text())
     received = re.findall(r"received (\d+) blocks \((\d+) bytes\)",
                           setup.decode.log.read_text())
-    assert sent == received == [("5", str(5 * BLOCK_NBYTES))]
+    assert sent == received == [("6", str(6 * BLOCK_NBYTES))]
 
 
 def test_a_prefill_killed_before_the_transfer_leaves_decode_computing(setup):
