@@ -35,15 +35,16 @@ from ..store.server import MasterServer, ServerOptions
 _INERT_GROUPS = {
     "CXL memory is not supported here":
         "bool:enable_cxl str:cxl_path int:cxl_size",
-    "no snapshots: the master's metadata lives in memory; with HA, clients re-register "
-    "with the new leader":
+    "no snapshots: with --enable_ha every committed change is written to etcd "
+    "(--replicate_metadata), a single master writes them under --metadata_dir":
         "bool:enable_snapshot bool:enable_snapshot_restore str:snapshot_backup_dir "
         "str:snapshot_catalog_backend_connstring str:snapshot_catalog_backend_type "
         "str:snapshot_catalog_store_connstring str:snapshot_catalog_store_type "
         "int:snapshot_child_timeout_seconds int:snapshot_interval_seconds "
         "str:snapshot_object_store_type str:snapshot_payload_backend_type "
         "str:snapshot_payload_store_type int:snapshot_retention_count",
-    "no OpLog replication: with HA, clients re-register with the new leader":
+    "committed metadata is always replicated through etcd with --enable_ha "
+    "(--replicate_metadata=false turns it off), in group commits of their own":
         "bool:enable_oplog int:oplog_batch_max_entries int:oplog_poll_interval_ms "
         "int:batch_oplog_retry_timeout_sec",
     "no KV event publisher here":
@@ -81,7 +82,8 @@ _INERT_GROUPS = {
         "int:put_start_release_timeout_sec",
     "failed copy/move tasks are not retried; processing tasks are bounded by pending ones":
         "int:max_retry_attempts int:max_total_processing_tasks",
-    "the embedded metadata server keeps entries until they are deleted":
+    "entries written with a TTL (every engine's segment descriptor) always expire on the "
+    "embedded metadata server; their writers renew them":
         "bool:enable_metadata_cleanup_on_timeout",
     "no shell completion":
         "int:tab_completion_columns str:tab_completion_word",
@@ -151,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     flag("ha_backend_type", default="etcd", choices=["etcd"], help="etcd only here")
     flag("ha_backend_connstring", default="", help="alias of --etcd_endpoints")
     flag("cluster_id", default="mooncake")
+    flag("replicate_metadata", **b, default=True,
+         help="ours: with --enable_ha, write every committed change to etcd before answering, "
+         "so a new leader keeps every object (docs/store-durability.md)")
+    flag("metadata_dir", default="",
+         help="ours: without HA, keep the metadata journal in this directory and replay it at "
+         "start, so a restarted master keeps every object (default: none)")
+    flag("metadata_fsync", **b, default=False,
+         help="ours: fsync the --metadata_dir journal at every group commit (survives power "
+         "loss, not only a crash of the master; costs a device flush per commit)")
     flag("enable_http_metadata_server", **b, default=False)
     flag("http_metadata_server_host", default=None, help="default: --rpc_address")
     flag("http_metadata_server_port", type=int, default=8080)
@@ -296,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.enable_ha and not etcd:
         print("--enable_ha needs --etcd_endpoints (or --ha_backend_connstring)", file=sys.stderr)
         return 2
+    if args.enable_ha and args.metadata_dir:
+        print("--metadata_dir is for a single master; with --enable_ha the metadata is "
+              "replicated through etcd (--replicate_metadata)", file=sys.stderr)
+        return 2
     if args.enable_offload and not args.root_fs_dir:
         print("--enable_offload needs --root_fs_dir (the directory of the SSD tier's files)",
               file=sys.stderr)
@@ -326,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         metric_report_interval_s=10.0 if args.enable_metric_reporting else 0.0,
         http_metadata_port=args.http_metadata_server_port if args.enable_http_metadata_server else None,
         http_metadata_host=args.http_metadata_server_host,
-        enable_ha=args.enable_ha, etcd_endpoints=etcd, cluster_id=args.cluster_id)
+        enable_ha=args.enable_ha, etcd_endpoints=etcd, cluster_id=args.cluster_id,
+        replicate_metadata=args.replicate_metadata, metadata_dir=args.metadata_dir,
+        metadata_fsync=args.metadata_fsync)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -63,6 +63,28 @@ class OffsetAllocator:
             self._sizes[i] += self._sizes.pop(i + 1)
             del self._starts[i + 1]
 
+    def rebuild(self, used: list[tuple[int, int]]) -> set[tuple[int, int]]:
+        """Reset to exactly the ``(offset, nbytes)`` blocks of ``used`` allocated (a recovered
+        index), in O(n log n). Returns the blocks left out: outside the range or overlapping
+        an earlier one."""
+        self._starts, self._sizes, self.used = [], [], 0
+        bad: set[tuple[int, int]] = set()
+        end = 0
+        for off, n in sorted(used):
+            size = _align(n)
+            if off < end or off % ALIGN or off + size > self.nbytes:
+                bad.add((off, n))
+                continue
+            if off > end:
+                self._starts.append(end)
+                self._sizes.append(off - end)
+            end = off + size
+            self.used += size
+        if end < self.nbytes:
+            self._starts.append(end)
+            self._sizes.append(self.nbytes - end)
+        return bad
+
     @property
     def largest_free(self) -> int:
         return max(self._sizes, default=0)

@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 
 from ..config import EngineConfig
 from ..errors import (BufferTooSmall, ClientNotFound, InvalidArgument, InvalidParams, LeaseExpired,
-                      MooncakeError, NotSupported, ObjectNotFound, RpcFailed, SegmentAlreadyExists,
-                      StoreError, StoreTransferFailed, store_error)
+                      MooncakeError, NotSupported, ObjectNotFound, RpcFailed, RpcTimeout,
+                      SegmentAlreadyExists, StoreError, StoreTransferFailed, store_error)
 from ..transfer import OpCode, TransferEngine, memory
 from ..transfer.topology import host_id
 from . import offload
@@ -301,16 +301,23 @@ class StoreClient(DerivedForms):
             run.done.set()
 
     def _call(self, method: str, **args: Any) -> Any:
-        """RPC with one retry after re-registering (expired client) or a leader change."""
+        """RPC with one retry after re-registering: with the same master when it forgot us
+        or its connection broke (a restarted master), with the new leader under HA."""
         rpc = self._rpc
         try:
             return rpc.call(method, **args)
         except ClientNotFound:
             self._failover(rpc, unreachable=False)
-        except (RpcFailed, NotSupported):
+        except RpcTimeout:
+            if self._ha is None:
+                raise  # the master may have done it: no blind retry
+            self._failover(rpc, unreachable=True)
+        except NotSupported:  # "not the leader" under HA; a real refusal otherwise
             if self._ha is None:
                 raise
             self._failover(rpc, unreachable=True)
+        except RpcFailed:
+            self._failover(rpc, unreachable=self._ha is not None)
         return self._rpc.call(method, **args)
 
     def _heartbeat_loop(self, interval_s: float) -> None:

@@ -307,6 +307,10 @@ class _EtcdCluster:
                 response = client.session.post(
                     client.get_url("/watch"), json=payload, stream=True,
                     timeout=(_CONNECT_TIMEOUT_S, max(quiet_s, 0.01)))
+            except requests.ReadTimeout:
+                # connected, but a busy etcd sent no headers within the slice: a quiet one
+                self._give_back(endpoint, client, False)
+                return False
             except (Etcd3Exception, requests.RequestException) as exc:
                 errors.append(f"{endpoint.name}: {_detail(exc)}")
                 self._give_back(endpoint, client, False)
@@ -433,6 +437,12 @@ class LeaderElection:
             term = self._term
         return term is not None and time.monotonic() - term.last_ok < self.ttl_s
 
+    @property
+    def lease_id(self) -> int:
+        """The lease of the current term (0 when not leader); no I/O."""
+        with self._lock:
+            return self._term.lease_id if self._term is not None else 0
+
     def on_lost(self, callback: Callable[[], None]) -> None:
         """Register ``callback`` to run when leadership is lost without resign()/close().
 
@@ -537,6 +547,9 @@ class LeaderElection:
                     return False
                 quiet_s = min(quiet_s, remaining)
             if self._cluster.watch_slice(self._key, revision + 1, quiet_s):
+                return True
+            # a busy etcd may not open the watch within a slice: look at the key itself
+            if self._cluster.read_key(self._key, "leader lookup").value is None:
                 return True
 
     # -- leadership ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import re
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,6 +33,7 @@ from ..errors import (ClientNotFound, InvalidKey, InvalidParams, JobNotFound, No
                       SegmentAlreadyExists, StoreError, StoreSegmentNotFound, TaskLimitExceeded,
                       UnavailableInCurrentStatus, store_error)
 from .allocation import STRATEGIES, MountedSegment, order_segments
+from .journal import OBJECT, SEGMENT, Journal, State
 from .offload import relative_name
 from .tasks import (COPY, FAILED, JOB_CANCELED, JOB_FAILED, JOB_SUCCEEDED, MOVE, SUCCESS, DrainJob,
                     TaskId, TaskQueue)
@@ -175,6 +176,10 @@ class ClientInfo:
     host_id: str
     last_seen: float
     segments: set[str] = field(default_factory=set)
+    confirmed: bool = True      # False: restored from the journal, not heard from since
+
+
+_GONE = ClientInfo("", "", 0.0, confirmed=False)
 
 
 def check_key(key: object) -> str:
@@ -217,7 +222,95 @@ class MasterService:
                                processing_timeout_s=c.task_processing_timeout_s or math.inf,
                                clock=clock)
         self.counters = {"puts": 0, "gets": 0, "removes": 0, "evicted": 0, "offloaded_evictions": 0,
-                         "expired_clients": 0, "discarded_puts": 0}
+                         "expired_clients": 0, "discarded_puts": 0, "recovered_objects": 0}
+        self._journal: Journal | None = None
+        self._freed = False      # space was freed since free_seq was last taken
+        self.free_seq = 0
+        """Journal changes to wait for before handing out space: the ones that freed it
+        (else a crash could bring back an object whose bytes a new put overwrote)."""
+
+    # -- durability (journal.py) --------------------------------------------------------
+    def attach_journal(self, journal: Journal) -> None:
+        """Record every change of committed state in ``journal`` from now on."""
+        with self._lock:
+            self._journal = journal
+
+    def _note(self, key: str) -> None:
+        """Record ``key``'s committed state (or that it is gone)."""
+        if self._journal is None:
+            return
+        meta = self._objects.get(key)
+        value = None
+        if meta is not None and meta.complete:
+            left = meta.soft_pin_until - self._clock()
+            value = [meta.nbytes, [list(r) for r in meta.replicas], meta.owner, meta.hard_pinned,
+                     int((time.time() + left) * 1000) if left > 0 else 0, meta.disk_name]
+        self._journal.record(OBJECT, key, value)
+
+    def _note_segment(self, name: str) -> None:
+        if self._journal is None:
+            return
+        seg = self._segments.get(name)
+        self._journal.record(SEGMENT, name, None if seg is None else
+                             [seg.client_id, seg.host_id, seg.base, seg.nbytes])
+
+    def _take_free_seq(self) -> None:
+        """Before space leaves the lock: make handing it out wait for the frees so far."""
+        if self._freed and self._journal is not None:
+            self.free_seq, self._freed = self._journal.seq, False
+
+    def restore(self, state: State) -> int:
+        """Rebuild segments and objects from a journal's state (before serving); returns
+        the number of objects restored.
+
+        The segments' owners are known again but unconfirmed: no new data is placed on
+        their segments until they heartbeat or register, and those that stay silent for
+        ``client_ttl_s`` are dropped as usual. Replicas on unknown segments are dropped.
+        """
+        with self._lock:
+            now = self._clock()
+            for (kind, name), value in state.items():
+                if kind != SEGMENT:
+                    continue
+                client_id, host_id, base, nbytes = value
+                c = self._clients.setdefault(client_id, ClientInfo(client_id, host_id, now,
+                                                                   confirmed=False))
+                c.segments.add(name)
+                self._segments[name] = MountedSegment(name, client_id, base, nbytes, host_id)
+            used: dict[str, list[tuple[int, int]]] = defaultdict(list)
+            wall_ms = time.time() * 1000
+            for (kind, key), value in state.items():
+                if kind != OBJECT:
+                    continue
+                nbytes, replicas, owner, hard, pin_ms, disk = value
+                kept = [[tuple(s) for s in r] for r in replicas
+                        if all(s[0] in self._segments for s in r)]
+                meta = ObjectMeta(nbytes, kept, owner=owner, hard_pinned=hard, disk_name=disk,
+                                  soft_pin_until=now + (pin_ms - wall_ms) / 1000 if pin_ms else 0.0)
+                if not meta.complete:
+                    self._note(key)
+                    continue
+                self._objects[key] = meta
+                for r in kept:
+                    for name, address, n in r:
+                        used[name].append((address - self._segments[name].base, n))
+            bad = {(name, self._segments[name].base + off, n)
+                   for name, blocks in used.items()
+                   for off, n in self._segments[name].allocator.rebuild(blocks)}
+            if bad:
+                log.error("journal: %d replica shards overlap others or leave their segment: "
+                          "dropping those replicas", len(bad))
+                for key, meta in list(self._objects.items()):
+                    good = [r for r in meta.replicas if not any(s in bad for s in r)]
+                    if len(good) < len(meta.replicas):
+                        self._free([s for r in meta.replicas if r not in good for s in r
+                                    if s not in bad])
+                        meta.replicas = good
+                        if not meta.complete:
+                            del self._objects[key]
+                        self._note(key)
+            self.counters["recovered_objects"] = len(self._objects)
+            return len(self._objects)
 
     # -- clients and segments ---------------------------------------------------------
     def register_client(self, client_id: str, host_id: str) -> None:
@@ -226,12 +319,13 @@ class MasterService:
             if c is None:
                 self._clients[client_id] = ClientInfo(client_id, host_id, self._clock())
             else:
-                c.last_seen = self._clock()
+                c.last_seen, c.confirmed = self._clock(), True
 
     def heartbeat(self, client_id: str) -> None:
         """Refresh a client's TTL. Raises ClientNotFound when it expired (it must remount)."""
         with self._lock:
-            self._client(client_id).last_seen = self._clock()
+            c = self._client(client_id)
+            c.last_seen, c.confirmed = self._clock(), True
 
     def _client(self, client_id: str) -> ClientInfo:
         c = self._clients.get(client_id)
@@ -245,10 +339,17 @@ class MasterService:
             raise InvalidParams(f"bad segment {name!r} base={base} nbytes={nbytes}")
         with self._lock:
             client = self._client(client_id)
-            if name in self._segments:
-                raise SegmentAlreadyExists(f"segment {name!r} is mounted already")
+            old = self._segments.get(name)
+            if old is not None:
+                owner = self._clients.get(old.client_id)
+                if old.client_id == client_id or owner is None or owner.confirmed:
+                    raise SegmentAlreadyExists(f"segment {name!r} is mounted already")
+                # restored from the journal, and its name is now another process's: the
+                # bytes recorded there are gone with the process that had them
+                self._drop_segments({name})
             self._segments[name] = MountedSegment(name, client_id, base, nbytes, client.host_id)
             client.segments.add(name)
+            self._note_segment(name)
         log.info("mounted segment %s (%d bytes) of client %s", name, nbytes, client_id)
 
     def unmount_segment(self, client_id: str, name: str) -> None:
@@ -268,6 +369,7 @@ class MasterService:
                 c = self._clients.get(seg.client_id)
                 if c:
                     c.segments.discard(name)
+                self._note_segment(name)
         for key, cp in list(self._copies.items()):
             if self._on(cp.source, names) or any(self._on(r, names) for r in cp.new):
                 self._cancel_copy(key)
@@ -290,6 +392,8 @@ class MasterService:
                 meta.pending = None
             if not meta.complete and meta.pending is None:
                 del self._objects[key]
+            if lost:
+                self._note(key)
 
     @staticmethod
     def _on(replica: MemoryReplica, names: set[str]) -> bool:
@@ -298,6 +402,7 @@ class MasterService:
 
     # -- allocation -------------------------------------------------------------------
     def _free(self, replica: MemoryReplica) -> None:
+        self._freed = True
         for name, address, nbytes in replica:
             seg = self._segments.get(name)
             if seg is not None:
@@ -339,7 +444,9 @@ class MasterService:
 
     def _allocate(self, client_id: str, nbytes: int, cfg: PutConfig) -> list[MemoryReplica]:
         client = self._clients.get(client_id)
-        candidates = order_segments([s for s in self._segments.values() if s.name not in self._draining],
+        candidates = order_segments([s for s in self._segments.values()
+                                     if s.name not in self._draining
+                                     and self._clients.get(s.client_id, _GONE).confirmed],
                                     self.config.allocation_strategy,
                                     cfg.preferred_segments, client.host_id if client else None,
                                     self._rng)
@@ -388,6 +495,7 @@ class MasterService:
                     self.counters["offloaded_evictions"] += 1  # still readable from disk
                 else:
                     del self._objects[key]
+                self._note(key)
         return freed
 
     # -- puts ---------------------------------------------------------------------------
@@ -429,6 +537,7 @@ class MasterService:
                 meta = self._objects[key] = ObjectMeta(nbytes)
             meta.pending, meta.pending_nbytes, meta.writer, meta.started = replicas, nbytes, client_id, now
             meta.pending_pin_ttl_ms, meta.pending_hard_pin = pin_ttl_ms, cfg.with_hard_pin
+            self._take_free_seq()
             return replicas
 
     def put_end(self, client_id: str, key: str) -> None:
@@ -450,6 +559,7 @@ class MasterService:
             self._free_after_lease(meta, old)
             self._objects.move_to_end(key)
             self.counters["puts"] += 1
+            self._note(key)
 
     def put_revoke(self, client_id: str, key: str) -> None:
         with self._lock:
@@ -480,6 +590,7 @@ class MasterService:
             if meta is None or not meta.complete:
                 raise ObjectNotFound(f"{key!r} is not a complete object")
             meta.disk_name = relative_name(key)
+            self._note(key)
 
     def _drop_disk(self, meta: ObjectMeta) -> None:
         if meta.disk_name is not None:
@@ -561,6 +672,7 @@ class MasterService:
         self._drop_disk(meta)
         del self._objects[key]
         self.counters["removes"] += 1
+        self._note(key)
 
     def remove_by_regex(self, pattern: str, force: bool = False) -> int:
         """Remove complete objects whose key matches ``pattern`` (re.search); returns the count."""
@@ -670,6 +782,7 @@ class MasterService:
             deadline = self._clock() + self.config.put_start_discard_timeout_s
             self._copies[key] = ReplicaCopy(client_id, src, new, source if move else None, deadline)
             meta.lease_until = max(meta.lease_until, deadline)
+            self._take_free_seq()
             return meta.nbytes, src, new
 
     def replica_end(self, client_id: str, key: str, ok: bool) -> None:
@@ -701,6 +814,7 @@ class MasterService:
                 gone = [r for r in meta.replicas if any(s[0] == cp.drop_segment for s in r)]
                 meta.replicas = [r for r in meta.replicas if r not in gone]
                 self._free_after_lease(meta, gone)
+            self._note(key)
 
     def _cancel_copy(self, key: str) -> None:
         """Stop a running copy of ``key``: it is never published. Its new replicas stay
@@ -892,6 +1006,7 @@ class MasterService:
                     self._free(r)
                 if not meta.complete:
                     del self._objects[key]
+                self._note(key)
                 cleared.append(key)
         return cleared
 

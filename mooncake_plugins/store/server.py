@@ -4,6 +4,12 @@
 RPC port serves until ``close()``. A leader that loses its etcd lease stops answering
 (every call fails with NotSupported "not the leader") so clients move to the new one.
 
+Durability (journal.py): with HA the leader writes every committed change to etcd (unless
+``replicate_metadata`` is off) and a new leader starts from it; a single master does the
+same in ``metadata_dir`` when given. Calls that change committed state are answered only
+once their changes are written; calls that hand out space wait for the writes of the
+frees before them. No journal I/O happens under the service's lock.
+
 Files: the only ones the master deletes are SSD-tier replicas it named itself under
 ``root_fs_dir`` (:func:`offload.delete_under`), after the call that dropped them released
 the service's lock and before its reply is sent.
@@ -19,6 +25,7 @@ from typing import Any, Callable
 
 from ..errors import InvalidParams, MooncakeError, NotSupported
 from . import offload
+from .journal import EtcdJournal, FileJournal, Journal
 from .master import MasterConfig, MasterService, PutConfig
 from .rpc import ListOf, RpcServer
 
@@ -58,6 +65,9 @@ class ServerOptions:
     etcd_endpoints: str = ""
     cluster_id: str = "mooncake"
     reap_interval_s: float = 0.5
+    replicate_metadata: bool = True        # with HA: committed metadata goes to etcd
+    metadata_dir: str = ""                 # without HA: the journal's directory ("": none)
+    metadata_fsync: bool = False           # fsync each batch of the local journal
 
 
 class MasterServer:
@@ -71,6 +81,8 @@ class MasterServer:
         self._metadata = None
         self._metrics = None
         self._election = None
+        self.journal: Journal | None = None
+        self.recovery_s = 0.0                  # how long loading the journal took
         self._stop = threading.Event()
         self.lost_leadership = threading.Event()
         self._leading = threading.Event()   # set once serving (after winning, with HA)
@@ -142,10 +154,44 @@ class MasterServer:
             if not self._election.campaign(stop=stop):
                 return False
             log.info("elected leader of cluster %s", opts.cluster_id)
+        self._recover()
         self._leading.set()
         self._reaper.start()
         log.info("master serving on %s:%d", opts.host, self._rpc.port)
         return True
+
+    def _recover(self) -> None:
+        """Open the journal (if any), rebuild the index from it, start writing to it."""
+        opts = self.options
+        if opts.enable_ha and opts.replicate_metadata:
+            backend = EtcdJournal(opts.etcd_endpoints, opts.cluster_id, self._election.lease_id)
+        elif opts.metadata_dir and not opts.enable_ha:
+            backend = FileJournal(opts.metadata_dir, fsync=opts.metadata_fsync)
+        else:
+            return
+        t0 = time.monotonic()
+        try:
+            state = backend.load()
+        except BaseException:
+            backend.close()
+            raise
+        self.journal = Journal(backend)
+        self.service.attach_journal(self.journal)
+        n = self.service.restore(state)
+        self.journal.start()
+        self.recovery_s = time.monotonic() - t0
+        log.info("recovered %d objects on %d segments from the metadata journal in %.3f s",
+                 n, self.service.stats()["segments"], self.recovery_s)
+
+    def _durable(self, fn: Callable[..., Any], space: bool = False) -> Callable[..., Any]:
+        """``fn``, answered once its changes are durable (``space``: once the frees
+        before the space it handed out are)."""
+        def call(**args: Any) -> Any:
+            out = fn(**args)
+            if self.journal is not None:
+                self.journal.wait(self.service.free_seq if space else self.journal.seq)
+            return out
+        return call
 
     def _on_lost(self) -> None:
         log.error("lost leadership of cluster %s: refusing every call from now on",
@@ -218,27 +264,29 @@ class MasterServer:
             "query_task": (task_id, lambda task_id: s.tasks.get(tuple(task_id))),
             "complete_task": ({**cid, **task_id, "ok": bool, "message": str}, complete_task),
             "replica_start": ({**cid, "key": str, "source": str, "targets": ListOf(str),
-                               "move": bool}, replica_start),
-            "replica_end": ({**cid, "key": str, "ok": bool}, s.replica_end),
-            "batch_replica_clear": ({**cid, **keys, "segment": str}, self._deleting(
-                lambda client_id, keys, segment: s.batch_replica_clear(client_id, keys, segment))),
-            "mount_segment": ({**cid, "segment": str, "base": int, "nbytes": int},
-                              lambda client_id, segment, base, nbytes:
-                              s.mount_segment(client_id, segment, base, nbytes)),
-            "unmount_segment": ({**cid, "segment": str},
-                                lambda client_id, segment: s.unmount_segment(client_id, segment)),
-            "put_start": ({**cid, **keys, "sizes": ListOf(int), "config": PUT_CONFIG}, put_start),
-            "put_end": ({**cid, **keys}, self._deleting(
-                lambda client_id, keys: _each(keys, lambda k: s.put_end(client_id, k)))),
+                               "move": bool}, self._durable(replica_start, space=True)),
+            "replica_end": ({**cid, "key": str, "ok": bool}, self._durable(s.replica_end)),
+            "batch_replica_clear": ({**cid, **keys, "segment": str}, self._durable(self._deleting(
+                lambda client_id, keys, segment: s.batch_replica_clear(client_id, keys, segment)))),
+            "mount_segment": ({**cid, "segment": str, "base": int, "nbytes": int}, self._durable(
+                lambda client_id, segment, base, nbytes:
+                s.mount_segment(client_id, segment, base, nbytes))),
+            "unmount_segment": ({**cid, "segment": str}, self._durable(
+                lambda client_id, segment: s.unmount_segment(client_id, segment))),
+            "put_start": ({**cid, **keys, "sizes": ListOf(int), "config": PUT_CONFIG},
+                          self._durable(put_start, space=True)),
+            "put_end": ({**cid, **keys}, self._durable(self._deleting(
+                lambda client_id, keys: _each(keys, lambda k: s.put_end(client_id, k))))),
             "put_revoke": ({**cid, **keys},
                            lambda client_id, keys: _each(keys, lambda k: s.put_revoke(client_id, k))),
             "get_replicas": (keys, s.get_many),
             "exist": (keys, lambda keys: [int(s.exist(k)) for k in keys]),
-            "remove": ({**keys, "force": bool}, self._deleting(
-                lambda keys, force: _each(keys, lambda k: s.remove(k, force)))),
-            "remove_by_regex": ({"pattern": str, "force": bool}, self._deleting(s.remove_by_regex)),
-            "remove_all": ({"force": bool}, self._deleting(s.remove_all)),
-            "add_disk_replica": (keys, lambda keys: _each(keys, s.add_disk_replica)),
+            "remove": ({**keys, "force": bool}, self._durable(self._deleting(
+                lambda keys, force: _each(keys, lambda k: s.remove(k, force))))),
+            "remove_by_regex": ({"pattern": str, "force": bool},
+                                self._durable(self._deleting(s.remove_by_regex))),
+            "remove_all": ({"force": bool}, self._durable(self._deleting(s.remove_all))),
+            "add_disk_replica": (keys, self._durable(lambda keys: _each(keys, s.add_disk_replica))),
             "stats": ({}, s.stats),
         }
 
@@ -247,6 +295,10 @@ class MasterServer:
         self._stop.set()
         if self._rpc is not None:
             self._rpc.close()
+        if self._reaper.is_alive():
+            self._reaper.join()
+        if self.journal is not None:
+            self.journal.close()   # while still leader: the last changes are written
         if self._election is not None:
             self._election.close()
         if self._metadata is not None:

@@ -38,6 +38,8 @@ from .transports.tcp import TcpServer, TcpTransport
 log = logging.getLogger(__name__)
 
 METADATA_PREFIX = "mooncake/segments/"
+DESCRIPTOR_TTL_S = 10.0
+"""A published descriptor outlives its engine by at most this long (renewed every third)."""
 P2P = "P2PHANDSHAKE"
 MAX_PENDING_NOTIFIES = 65536
 """Notifications kept until ``take_notifies``; a peer sending more is refused (bounded memory)."""
@@ -366,8 +368,10 @@ class TransferEngine:
 
     def _publish(self) -> None:
         if self._metadata is not None:
+            # leased: a crashed engine's descriptor leaves the service on its own
             self._metadata.put(METADATA_PREFIX + self.segment_name,
-                               msgpack.packb(self.descriptor().to_wire(), use_bin_type=True))
+                               msgpack.packb(self.descriptor().to_wire(), use_bin_type=True),
+                               ttl_s=DESCRIPTOR_TTL_S)
 
     # -- control port ----------------------------------------------------------------
     def _on_control(self, msg: dict) -> bytes:

@@ -2,7 +2,8 @@
 
 Prints ``READY <json>`` (segment name) once its segment is mounted, then answers one line
 per command: ``put <key> <seed> <nbytes> [replicas]``, ``get <key>`` (sha256 or
-``error <Type>``), ``exists <key>``, ``remove <key>``, ``stats``, ``quit``.
+``error <Type>``), ``exists <key>``, ``remove <key>``, ``begin <key> <nbytes>`` (put_start
+only: the put stays in flight), ``stats``, ``quit``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ def main() -> None:
     ap.add_argument("--master", required=True)
     ap.add_argument("--segment", type=int, default=32 << 20)
     ap.add_argument("--metadata", default="P2PHANDSHAKE")
+    ap.add_argument("--cluster_id", default="mooncake")
     args = ap.parse_args()
-    client = StoreClient(args.master, metadata_server=args.metadata, global_segment_size=args.segment)
+    client = StoreClient(args.master, metadata_server=args.metadata, global_segment_size=args.segment,
+                         cluster_id=args.cluster_id)
     print("READY " + json.dumps({"segment": client.segment_name}), flush=True)
     for line in sys.stdin:
         cmd = line.split()
@@ -41,6 +44,11 @@ def main() -> None:
             elif cmd[0] == "remove":
                 client.remove(cmd[1])
                 print("ok", flush=True)
+            elif cmd[0] == "begin":
+                code, info = client.call_master(
+                    "put_start", client_id=client.client_id, keys=[cmd[1]], sizes=[int(cmd[2])],
+                    config=ReplicateConfig().to_wire(False))[0]
+                print("ok" if code == 0 else f"error {info}", flush=True)
             elif cmd[0] == "stats":
                 print(json.dumps(client.stats()), flush=True)
             elif cmd[0] == "quit":

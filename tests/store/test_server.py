@@ -149,6 +149,7 @@ def test_ha_failover_clients_follow_the_leader(etcd_server):
             assert wait_until(lambda: _try_put(c, "after", b"2"), 30)
             assert c.master_address == f"127.0.0.1:{ports[1]}"
             assert c.get("after") == b"2"
+            assert c.get("before") == b"1"   # the new leader recovered it from etcd
             assert wait_until(lambda: c.stats()["segments"] == 1, 10)
     finally:
         for p in masters:

@@ -10,6 +10,8 @@ and etcd3gw are optional dependencies.
 from __future__ import annotations
 
 import importlib
+import logging
+import math
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ from types import TracebackType
 from urllib.parse import urlsplit
 
 from mooncake_plugins.errors import InvalidArgument, MetadataError
+
+_log = logging.getLogger(__name__)
 
 MAX_KEY_NBYTES = 1024
 MAX_VALUE_NBYTES = 16 * 1024 * 1024
@@ -125,18 +129,58 @@ class MetadataStore(ABC):
         self.url = url
         self._closed = False
         self._closed_lock = threading.Lock()
+        self._kept: dict[str, tuple[bytes, float]] = {}   # leased keys: value, ttl (s)
+        self._keepalive: threading.Thread | None = None
+        self._stop = threading.Event()
 
     @classmethod
     @abstractmethod
     def from_target(cls, target: MetadataTarget, timeout_s: float) -> MetadataStore:
         """Build a store for a URL already parsed by :func:`from_url`."""
 
-    def put(self, key: str, value: bytes) -> None:
-        """Store ``value`` under ``key``, replacing any previous value."""
+    def put(self, key: str, value: bytes, ttl_s: float | None = None) -> None:
+        """Store ``value`` under ``key``, replacing any previous value.
+
+        With ``ttl_s`` the key is leased: the service drops it ``ttl_s`` seconds after
+        this store last renewed it (an etcd lease, a Redis expiry, a TTL on our HTTP
+        server). This store renews it from a background thread every ``ttl_s / 3`` (and
+        writes it again if it was dropped meanwhile) until :meth:`delete` or
+        :meth:`close`, so the key outlives its writer by at most ``ttl_s``.
+        """
         check_key(key)
         check_value(value)
+        if ttl_s is not None and not (isinstance(ttl_s, (int, float)) and math.isfinite(ttl_s)
+                                      and ttl_s >= 1):
+            raise InvalidArgument(f"ttl_s must be a number of seconds >= 1, got {ttl_s!r}")
         self._check_open()
-        self._put(key, value)
+        self._put(key, value, ttl_s)
+        with self._closed_lock:
+            if ttl_s is None:
+                self._kept.pop(key, None)
+                return
+            self._kept[key] = (value, float(ttl_s))
+            if self._keepalive is None and not self._closed:
+                self._keepalive = threading.Thread(target=self._renew_loop, daemon=True,
+                                                   name="mc-metadata-keepalive")
+                self._keepalive.start()
+
+    def _renew_loop(self) -> None:
+        """Write every leased key again, each ``ttl / 3``; a failed renewal is retried
+        at the next turn (the key lives ``ttl`` in all)."""
+        while True:
+            with self._closed_lock:
+                kept = dict(self._kept)
+            interval = min((ttl for _, ttl in kept.values()), default=3.0) / 3
+            if self._stop.wait(interval):
+                return
+            for key, (value, ttl) in kept.items():
+                with self._closed_lock:
+                    if self._kept.get(key) != (value, ttl):
+                        continue  # deleted or replaced meanwhile
+                try:
+                    self._put(key, value, ttl)
+                except MetadataError as exc:
+                    _log.warning("could not renew metadata key %r: %s", key, exc)
 
     def get(self, key: str) -> bytes | None:
         """Return the value stored under ``key``, or None when there is none."""
@@ -148,6 +192,8 @@ class MetadataStore(ABC):
         """Remove ``key``; removing a key that does not exist is not an error."""
         check_key(key)
         self._check_open()
+        with self._closed_lock:
+            self._kept.pop(key, None)
         self._delete(key)
 
     def list_prefix(self, prefix: str) -> list[tuple[str, bytes]]:
@@ -182,6 +228,10 @@ class MetadataStore(ABC):
             if self._closed:
                 return
             self._closed = True
+            keepalive, self._keepalive = self._keepalive, None
+        self._stop.set()
+        if keepalive is not None and keepalive is not threading.current_thread():
+            keepalive.join()
         self._close()
 
     @property
@@ -207,8 +257,9 @@ class MetadataStore(ABC):
     # are raised as MetadataError naming ``self.url``.
 
     @abstractmethod
-    def _put(self, key: str, value: bytes) -> None:
-        """Store the value."""
+    def _put(self, key: str, value: bytes, ttl_s: float | None) -> None:
+        """Store the value; with ``ttl_s``, dropped after that many seconds (whole
+        seconds, rounded up) unless written again."""
 
     @abstractmethod
     def _get(self, key: str) -> bytes | None:

@@ -9,6 +9,7 @@ needs that flag raised on the etcd server.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import etcd3gw
@@ -70,10 +71,12 @@ class EtcdMetadataStore(MetadataStore):
             hint = "; raise the etcd server's --max-request-bytes"
         return MetadataError(f"etcd {self.url}: {op} {key!r} failed: {detail}{hint}")
 
-    def _put(self, key: str, value: bytes) -> None:
+    def _put(self, key: str, value: bytes, ttl_s: float | None) -> None:
         try:
             with self._lock:
-                self._client.put(key.encode("utf-8"), value)
+                # a renewal grants a fresh lease; the previous one expires unused
+                lease = None if ttl_s is None else self._client.lease(math.ceil(ttl_s))
+                self._client.put(key.encode("utf-8"), value, lease=lease)
         except (Etcd3Exception, requests.RequestException, ValueError) as exc:
             raise self._fail("put", key, exc) from exc
 

@@ -13,7 +13,11 @@ with the key in the ``key`` query parameter.
 - A PUT that would take the stored keys and values (and the bodies being received) over
   the server's ``max_nbytes``: 507. A connection over ``max_connections``: 503, closed.
 
-One addition of ours, which the original server does not have (it answers 400 there):
+Additions of ours, which the original server does not have:
+
+- ``PUT /metadata?key=K&ttl=S`` (S whole seconds >= 1): the key is dropped S seconds after
+  its last PUT (its writer renews it; a crashed writer's key goes). A PUT without ``ttl``
+  makes the key permanent again. A bad ``ttl``: 400.
 
 - ``GET /metadata?prefix=P``: 200 with ``Content-Type: application/msgpack`` and a msgpack
   array of ``[key (str), value (bin)]`` pairs, sorted by key, for every key starting with
@@ -26,9 +30,11 @@ from __future__ import annotations
 import contextlib
 import http.client
 import logging
+import math
 import socket
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -90,14 +96,13 @@ class HttpMetadataStore(MetadataStore):
         return cls(target.url, timeout_s)
 
     def _request(self, method: str, key: str, body: bytes | None = None, *,
-                 param: str = "key", limit_nbytes: int = MAX_VALUE_NBYTES
+                 param: str = "key", limit_nbytes: int = MAX_VALUE_NBYTES, extra: str = ""
                  ) -> tuple[int, str, bytes]:
-        """Send one request with ``?<param>=<key>``; return (status, content type, body).
-
-        Blocks up to ``timeout_s`` per socket operation.
+        """Send one request with ``?<param>=<key><extra>``; return (status, content type,
+        body). Blocks up to ``timeout_s`` per socket operation.
         """
         request = urllib.request.Request(
-            f"{self.url}?{param}={quote(key, safe='')}", data=body, method=method,
+            f"{self.url}?{param}={quote(key, safe='')}{extra}", data=body, method=method,
             headers={"Content-Type": "application/octet-stream"} if body is not None else {})
         try:
             with self._opener.open(request, timeout=self.timeout_s) as response:
@@ -122,8 +127,9 @@ class HttpMetadataStore(MetadataStore):
         return MetadataError(
             f"metadata server {self.url}: {method} {key!r} answered HTTP {status}: {text}")
 
-    def _put(self, key: str, value: bytes) -> None:
-        status, _, body = self._request("PUT", key, value)
+    def _put(self, key: str, value: bytes, ttl_s: float | None) -> None:
+        extra = "" if ttl_s is None else f"&ttl={math.ceil(ttl_s)}"
+        status, _, body = self._request("PUT", key, value, extra=extra)
         if not 200 <= status < 300:
             raise self._fail("PUT", key, status, body)
 
@@ -215,6 +221,7 @@ class _Entries:
 
     def __init__(self, max_nbytes: int, strip_keys: bool) -> None:
         self.kv: dict[str, bytes] = {}
+        self.expiry: dict[str, float] = {}     # leased keys: monotonic deadline
         self.lock = threading.Lock()
         self.max_nbytes = max_nbytes
         self.strip_keys = strip_keys
@@ -233,7 +240,19 @@ class _Entries:
 
     def get(self, key: str) -> bytes | None:
         with self.lock:
+            self.expire_locked()
             return self.kv.get(key)
+
+    def expire_locked(self) -> None:
+        """Drop the leased keys whose time is up (call with ``lock`` held)."""
+        if not self.expiry:
+            return
+        now = time.monotonic()
+        for key in [k for k, t in self.expiry.items() if t <= now]:
+            del self.expiry[key]
+            old = self.kv.pop(key, None)
+            if old is not None:
+                self.stored_nbytes -= _cost(key, len(old))
 
     def reserve(self, key: str, nbytes: int) -> int:
         """Reserve room to store ``nbytes`` under ``key`` (replacing its value frees room).
@@ -246,6 +265,7 @@ class _Entries:
         if nbytes > MAX_VALUE_NBYTES:
             raise Refused(413, f"value over {MAX_VALUE_NBYTES} bytes")
         with self.lock:
+            self.expire_locked()
             old = self.kv.get(key)
             need = max(0, _cost(key, nbytes) - (0 if old is None else _cost(key, len(old))))
             if self.stored_nbytes + self.reserved_nbytes + need > self.max_nbytes:
@@ -254,15 +274,21 @@ class _Entries:
             self.reserved_nbytes += need
             return need
 
-    def commit(self, key: str, value: bytes, reserved: int) -> bool:
+    def commit(self, key: str, value: bytes, reserved: int, ttl_s: int | None = None) -> bool:
         """Store ``value``, turning the reservation into stored bytes; False if unchanged.
+        ``ttl_s``: drop it that many seconds from now unless written again.
 
         Raises:
             Refused: 400, another value for a write-once (``rpc_meta``) key.
         """
         with self.lock:
             self.reserved_nbytes -= reserved
+            self.expire_locked()
             old = self.kv.get(key)
+            if ttl_s is None:
+                self.expiry.pop(key, None)
+            else:
+                self.expiry[key] = time.monotonic() + ttl_s
             if old is not None and "rpc_meta" in key:
                 if old == value:
                     return False
@@ -283,6 +309,8 @@ class _Entries:
     def remove(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
         with self.lock:
+            self.expire_locked()
+            self.expiry.pop(key, None)
             old = self.kv.pop(key, None)
             if old is not None:
                 self.stored_nbytes -= _cost(key, len(old))
@@ -379,6 +407,10 @@ class _Handler(BaseHTTPRequestHandler):
         key = None if query is None else self._key(query)
         if key is None:
             return
+        ttl = query.get("ttl", [None])[-1]
+        if ttl is not None and (not ttl.isdigit() or int(ttl) < 1):
+            self._refuse(400, b"ttl must be a whole number of seconds >= 1")
+            return
         nbytes = self._content_length()
         if nbytes is None:
             return
@@ -397,7 +429,7 @@ class _Handler(BaseHTTPRequestHandler):
             entries.unreserve(reserved)
             raise
         try:
-            changed = entries.commit(key, value, reserved)
+            changed = entries.commit(key, value, reserved, None if ttl is None else int(ttl))
         except Refused as exc:
             self._refuse(exc.status, str(exc).encode())
             return
@@ -426,6 +458,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         entries = self.server.entries
         with entries.lock:  # values are immutable bytes: a snapshot of references
+            entries.expire_locked()
             items = [(k, v) for k, v in entries.kv.items() if k.startswith(prefix)]
         items.sort()
         packer = msgpack.Packer(use_bin_type=True)
@@ -625,6 +658,7 @@ class MetadataServer:
     def entries(self) -> Mapping[str, bytes]:
         """A snapshot of the stored keys and values (handler threads change the map)."""
         with self._entries.lock:
+            self._entries.expire_locked()
             return MappingProxyType(dict(self._entries.kv))
 
     def get(self, key: str) -> bytes | None:

@@ -8,6 +8,7 @@ prefix's glob characters escaped), then MGET in batches.
 from __future__ import annotations
 
 import logging
+import math
 from typing import cast
 
 import redis
@@ -62,9 +63,9 @@ class RedisMetadataStore(MetadataStore):
                 f"redis-server runs and the URL is right ({exc})")
         return MetadataError(f"redis {self.url}: {op} {key!r} failed: {exc}")
 
-    def _put(self, key: str, value: bytes) -> None:
+    def _put(self, key: str, value: bytes, ttl_s: float | None) -> None:
         try:
-            self._client.set(key, value)
+            self._client.set(key, value, px=None if ttl_s is None else math.ceil(ttl_s * 1000))
         except redis.RedisError as exc:
             raise self._fail("put", key, exc) from exc
 

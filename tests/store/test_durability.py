@@ -1,0 +1,259 @@
+"""The master's metadata survives it: kill -9 of an HA leader, kill -9 and restart of a single
+master, and a writer that crashed mid-put (its key and space come back)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Iterator
+
+import pytest
+from durability_load import Load
+from helpers import free_port, spawn_ready, terminate_group, wait_until
+
+from mooncake_plugins.errors import StoreSegmentNotFound
+from mooncake_plugins.store.client import StoreClient
+from mooncake_plugins.store.journal import FileJournal, Journal
+from mooncake_plugins.store.master import MasterConfig, MasterService, PutConfig
+from mooncake_plugins.store.server import MasterServer, ServerOptions
+
+MASTER = [sys.executable, "-m", "mooncake_plugins.cli.master"]
+ROUNDS = 5
+RECOVERY_TIMEOUT_S = 40.0
+_RECOVERED = re.compile(r"recovered (\d+) objects on \d+ segments from the metadata journal in ([\d.]+) s")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def _recovery_line(stderr) -> tuple[int, float]:
+    stderr.seek(0)
+    found = _RECOVERED.findall(stderr.read().decode("utf-8", "replace"))
+    assert found, "the master did not report a recovery"
+    return int(found[-1][0]), float(found[-1][1])
+
+
+def _await_recovery(load: Load, killed_at: float) -> float:
+    assert wait_until(lambda: load.serving_since(killed_at), RECOVERY_TIMEOUT_S, 0.05), \
+        "puts and gets did not succeed again after the master was killed"
+    return time.monotonic() - killed_at
+
+
+class Candidate:
+    """An HA master process; it prints READY once it leads."""
+
+    def __init__(self, endpoints: str, cluster: str) -> None:
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            MASTER + ["--rpc_port", str(free_port()), "--metrics_port", "0", "--enable_ha",
+                      "--etcd_endpoints", endpoints, "--cluster_id", cluster],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.stderr,
+            start_new_session=True)
+
+    def wait_leading(self, timeout_s: float) -> None:
+        fd = self.proc.stdout.fileno()
+        line = self.proc.stdout.readline() if select.select([fd], [], [], timeout_s)[0] else b""
+        if not line.startswith(b"READY "):
+            self.stderr.seek(0)
+            raise AssertionError(f"no READY ({line!r}): {self.stderr.read()[-3000:].decode()}")
+
+    def close(self) -> None:
+        terminate_group(self.proc)
+        self.stderr.close()
+
+
+def _elected(waiting: list[Candidate], timeout_s: float) -> Candidate:
+    """The one of ``waiting`` that wins the election."""
+    ready = select.select([c.proc.stdout for c in waiting], [], [], timeout_s)[0]
+    assert ready, "no candidate was elected in time"
+    winner = next(c for c in waiting if c.proc.stdout is ready[0])
+    winner.wait_leading(1)
+    return winner
+
+
+@pytest.fixture
+def candidates(etcd_server: str) -> Iterator:
+    endpoints = etcd_server.split("://", 1)[1]
+    cluster = f"durable-{uuid.uuid4().hex[:8]}"
+    started: list[Candidate] = []
+
+    def start() -> Candidate:
+        started.append(Candidate(endpoints, cluster))
+        return started[-1]
+
+    start.endpoints, start.cluster = endpoints, cluster  # type: ignore[attr-defined]
+    yield start
+    for c in started:
+        c.close()
+
+
+@pytest.mark.etcd
+@pytest.mark.slow
+def test_leader_kill_under_load_loses_no_acknowledged_object(candidates, nodes) -> None:
+    leader = candidates()
+    leader.wait_leading(30)
+    waiting = [candidates()]
+    master = f"etcd://{candidates.endpoints}"
+    for _ in range(2):
+        nodes(master, "--cluster_id", candidates.cluster, "--segment", str(64 << 20))
+    client = StoreClient(master, cluster_id=candidates.cluster, global_segment_size=0,
+                         rpc_timeout_s=5, failover_timeout_s=RECOVERY_TIMEOUT_S)
+    report = []
+    try:
+        with Load(client) as load:
+            for _ in range(ROUNDS):
+                before = len(load.acked)
+                assert wait_until(lambda: len(load.acked) >= before + 100, 20)
+                killed_at = time.monotonic()
+                _kill(leader.proc)
+                waiting.append(candidates())
+                leader = _elected(waiting, RECOVERY_TIMEOUT_S)
+                waiting.remove(leader)
+                recovery_s = _await_recovery(load, killed_at)
+                n = load.check()
+                objects, load_s = _recovery_line(leader.stderr)
+                assert objects >= n - len(load.unacked) - 200  # those acked since it started
+                report.append((round(recovery_s, 2), n, objects, load_s))
+            assert load.check() > ROUNDS * 100
+    finally:
+        client.close()
+    print(f"\nHA failover (recovery s, objects acknowledged, recovered, load s): {report}")
+
+
+@pytest.mark.slow
+def test_master_restart_under_load_loses_no_acknowledged_object(tmp_path, nodes) -> None:
+    port = free_port()
+    cmd = MASTER + ["--rpc_port", str(port), "--metrics_port", "0",
+                    "--metadata_dir", str(tmp_path / "meta")]
+    proc, _ = spawn_ready(cmd, timeout_s=30)
+    address = f"127.0.0.1:{port}"
+    for _ in range(2):
+        nodes(address, "--segment", str(64 << 20))
+    client = StoreClient(address, global_segment_size=0, rpc_timeout_s=5)
+    report = []
+    try:
+        with Load(client) as load:
+            for _ in range(ROUNDS):
+                before = len(load.acked)
+                assert wait_until(lambda: len(load.acked) >= before + 100, 20)
+                killed_at = time.monotonic()
+                _kill(proc)
+                proc, _ = spawn_ready(cmd, timeout_s=30)
+                recovery_s = _await_recovery(load, killed_at)
+                report.append((round(recovery_s, 2), load.check()))
+    finally:
+        client.close()
+        terminate_group(proc)
+    print(f"\nmaster restart (recovery s, objects acknowledged): {report}")
+
+
+def test_cli_keeps_the_journal_flags_apart() -> None:
+    res = subprocess.run(MASTER + ["--enable_ha", "--etcd_endpoints", "127.0.0.1:1",
+                                   "--metadata_dir", "/tmp/x"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "--metadata_dir is for a single master" in res.stderr
+
+
+def test_crashed_writer_key_is_released_and_its_space_reused(master_process, nodes) -> None:
+    _, address = master_process("--put_start_discard_timeout_sec", "3", "--client_ttl", "1")
+    holder = nodes(address, "--segment", str(8 << 20))
+    writer = nodes(address, "--segment", "0")
+    assert writer.ask(f"begin k {4 << 20}") == "ok"
+    begun = time.monotonic()
+    assert json.loads(holder.ask("stats"))["used_bytes"] == 4 << 20
+    _kill(writer.proc)
+    # in flight: refused until the put is discarded, then the key and its space are free
+    first = holder.ask("put k 7 1024")
+    assert first == "ok" or first.startswith("error ObjectAlreadyExists")
+    if first == "ok":
+        assert time.monotonic() - begun >= 3
+    assert wait_until(lambda: holder.ask("put k 7 1024") == "ok" or holder.ask("exists k") == "1",
+                      15, 0.2)
+    stats = json.loads(holder.ask("stats"))
+    assert stats["used_bytes"] == 1024 and stats["clients"] == 1  # the writer expired too
+    assert holder.ask(f"put big 8 {6 << 20}") == "ok"               # the 4 MiB came back
+
+
+# -- in-process: the journal and the index rebuilt from it -----------------------------------
+
+def _service(directory: str) -> tuple[MasterService, Journal]:
+    journal = Journal(FileJournal(directory))
+    state = journal.backend.load()
+    service = MasterService(MasterConfig(client_ttl_s=5))
+    service.attach_journal(journal)
+    service.restore(state)
+    journal.start()
+    return service, journal
+
+
+def test_restored_index_keeps_objects_and_their_space(tmp_path) -> None:
+    s, journal = _service(str(tmp_path))
+    s.register_client("c", "h")
+    s.mount_segment("c", "seg", 1 << 20, 1 << 20)
+    placed = {}
+    for i in range(20):
+        placed[f"k{i}"] = s.put_start("c", f"k{i}", 10_000 + i, PutConfig())
+        s.put_end("c", f"k{i}")
+    s.put_start("c", "pending", 5000, PutConfig())
+    s.remove("k3")
+    journal.wait(journal.seq)
+    journal.close()
+
+    s2, journal2 = _service(str(tmp_path))
+    try:
+        assert s2.stats()["objects"] == 19 and not s2.exist("k3") and not s2.exist("pending")
+        assert s2.get("k7")[1] == placed["k7"]
+        s2.register_client("w", "h")
+        with pytest.raises(StoreSegmentNotFound):
+            s2.put_start("w", "x", 1000, PutConfig())  # the segment's owner is not back yet
+        s2.heartbeat("c")
+        kept = [shard for key, r in placed.items() if key != "k3" for shard in r[0]]
+        for i in range(8):  # the space of k3 and after the objects, never theirs
+            _, a, n = s2.put_start("w", f"x{i}", 9000, PutConfig())[0][0]
+            assert all(a + n <= ka or ka + kn <= a for _, ka, kn in kept)
+    finally:
+        journal2.close()
+
+
+def test_file_journal_drops_a_torn_tail_and_compacts(tmp_path) -> None:
+    backend = FileJournal(str(tmp_path))
+    backend.load()
+    backend.write({("o", "a"): [1], ("o", "b"): [2]})
+    backend.write({("o", "a"): None, ("s", "seg"): ["c", "h", 0, 4096]})
+    backend.close()
+    with open(tmp_path / "journal.log", "ab") as f:
+        f.write(b"\x10\x00\x00\x00garbage")   # a batch cut short by a crash
+    backend = FileJournal(str(tmp_path))
+    try:
+        assert backend.load() == {("o", "b"): [2], ("s", "seg"): ["c", "h", 0, 4096]}
+        with pytest.raises(Exception, match="another master"):
+            FileJournal(str(tmp_path))
+    finally:
+        backend.close()
+
+
+def test_restarted_master_serves_the_same_objects(tmp_path) -> None:
+    options = ServerOptions(rpc_port=free_port(), metadata_dir=str(tmp_path))
+    server = MasterServer(MasterConfig(), options)
+    server.start()
+    try:
+        with StoreClient(server.address, global_segment_size=4 << 20) as client:
+            client.put("kept", b"bytes of kept")
+            server.close()
+            server = MasterServer(MasterConfig(), options)
+            server.start()
+            assert client.get("kept") == b"bytes of kept"   # re-registers on its own
+            client.put("after", b"2")
+            assert server.service.stats()["objects"] == 2
+    finally:
+        server.close()
