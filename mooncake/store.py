@@ -3,8 +3,8 @@
 from mooncake.buffer_pool import BufferLease, BufferPool
 from mooncake_plugins.compat.store import (BufferHandle, Descriptor, DiskDescriptor,
                                            MemoryDescriptor, MooncakeDistributedStore,
-                                           ObjectDataType, ReplicaDescriptor, ReplicateConfig,
-                                           SoftPinAction)
+                                           MooncakeHostMemAllocator, ObjectDataType,
+                                           ReplicaDescriptor, ReplicateConfig, SoftPinAction)
 from mooncake_plugins.compat.store_tasks import QueryTaskResponse, TaskStatus, TaskType
 from mooncake_plugins.compat.store_tensors import ParallelAxis, ReadTarget, TensorParallelism
 # the original's private tensor-object helpers (used by mooncake.structured_object_store users)
@@ -13,6 +13,7 @@ from mooncake_plugins.store.structured.tensor_codec import metadata_size as _ten
 from mooncake_plugins.store.structured.tensor_codec import serialize as _serialize_tensor
 
 __all__ = ["BufferHandle", "BufferLease", "BufferPool", "Descriptor", "DiskDescriptor",
-           "MemoryDescriptor", "MooncakeDistributedStore", "ObjectDataType", "ParallelAxis",
+           "MemoryDescriptor", "MooncakeDistributedStore", "MooncakeHostMemAllocator",
+           "ObjectDataType", "ParallelAxis",
            "QueryTaskResponse", "ReadTarget", "ReplicaDescriptor", "ReplicateConfig",
            "SoftPinAction", "TaskStatus", "TaskType", "TensorParallelism"]

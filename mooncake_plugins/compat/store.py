@@ -8,8 +8,10 @@ since an int cannot carry the reason.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
+import mmap
 import os
 import random
 from typing import Any, Sequence
@@ -213,6 +215,7 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
 
     def __init__(self) -> None:
         self._client: StoreClient | None = None
+        self._setup_error: str | None = None  # why the last setup() failed
         self._hostname = ""
         self._local_buffer_size = 0  # bytes of the BufferPool's local buffer (mooncake.buffer_pool)
         self._no_local_buffer = False  # setup(local_buffer_size=0): copying puts and gets fail
@@ -220,8 +223,13 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
     @property
     def client(self) -> StoreClient:
         if self._client is None:
-            raise InvalidParams("MooncakeDistributedStore.setup() has not been called")
+            raise InvalidParams(self._why_not_connected())
         return self._client
+
+    def _why_not_connected(self) -> str:
+        if self._setup_error is not None:
+            return f"MooncakeDistributedStore.setup() failed ({self._setup_error}): not connected"
+        return "MooncakeDistributedStore.setup() has not been called"
 
     # -- setup ------------------------------------------------------------------------
     def setup(self, local_hostname: Any, metadata_server: str = "P2PHANDSHAKE",
@@ -232,7 +240,11 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
               client_http_port: int = 9300) -> int:
         """Connect to the master and mount ``global_segment_size`` bytes (0 or negative code).
 
-        Also takes a single dict (the newer API) with those names as keys.
+        Also takes a single dict (the newer API) with those names as keys, and the
+        names frameworks use for two of them (``master_server_address``, ``device_name``).
+        After a failed setup every call logs why and fails, and ``is_exist`` /
+        ``batch_is_exist`` answer 0: callers that ignore setup's code (LMCache) must not
+        read a negative code as "present".
         ``local_buffer_size`` 0 makes copying puts and gets fail, as the original; otherwise
         it is accepted for compatibility: reads land straight in the
         caller's memory here, so no staging buffer is allocated.
@@ -240,7 +252,13 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
         try:
             if isinstance(local_hostname, dict):
                 cfg = dict(local_hostname)
+                for alias, name in _SETUP_ALIASES.items():
+                    if alias in cfg:
+                        cfg.setdefault(name, cfg.pop(alias))
                 local_hostname = cfg.pop("local_hostname", "127.0.0.1")
+                unknown = sorted(set(cfg) - _SETUP_KEYS)
+                if unknown:
+                    log.warning("setup: ignoring unknown keys %s", ", ".join(unknown))
                 return self.setup(local_hostname, **{k: v for k, v in cfg.items() if k in _SETUP_KEYS})
             if tenant_id != "default":
                 raise NotSupported("tenants other than 'default' are not supported")
@@ -268,9 +286,11 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
                 except OSError:
                     if i == len(names) - 1:
                         raise
+            self._setup_error = None
             return 0
         except MooncakeError as exc:
             log.error("setup failed: %s", exc)
+            self._setup_error = str(exc)
             return _code(exc)
 
     def init_all(self, protocol: str, device_name: str, mount_segment_size: int = 16 << 20) -> int:
@@ -286,6 +306,17 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
             self._client.close()
             self._client = None
         return 0
+
+    def __del__(self) -> None:
+        """As the original's destructor: a store dropped without ``close()`` is closed
+        (SGLang's HiCache backend relies on it)."""
+        client = getattr(self, "_client", None)
+        if client is not None:
+            self._client = None
+            try:
+                client.close()
+            except Exception as exc:  # noqa: BLE001 (a destructor must not raise)
+                log.debug("closing a dropped store: %s", exc)
 
     # -- helpers ----------------------------------------------------------------------
     def _int(self, what: str, fn: Any, *args: Any) -> int:
@@ -539,6 +570,9 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
 
     # -- queries and removal ----------------------------------------------------------
     def is_exist(self, key: str) -> int:
+        if self._client is None:  # holds nothing (a negative code would read as "present")
+            log.error("is_exist: %s", self._why_not_connected())
+            return 0
         try:
             return int(self.client.exists(key))
         except MooncakeError as exc:
@@ -546,6 +580,9 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
             return _code(exc)
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
+        if self._client is None:
+            log.error("batch_is_exist: %s", self._why_not_connected())
+            return [0] * len(keys)
         try:
             return [int(x) for x in self.client.batch_exists(keys)]
         except MooncakeError as exc:
@@ -565,7 +602,39 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
         return self._int("remove_all", self.client.remove_all, force)
 
 
+class MooncakeHostMemAllocator:
+    """The original's host memory allocator: ``alloc(size)`` gives the address of
+    ``size`` bytes of page-aligned anonymous memory (0 when there is none), valid until
+    ``free(address)`` (SGLang's HiCache allocates its host KV pool with it)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[int, tuple[mmap.mmap, Any]] = {}
+
+    def alloc(self, size: int) -> int:
+        try:
+            m = mmap.mmap(-1, size)
+        except (OSError, ValueError, OverflowError) as exc:
+            log.error("MooncakeHostMemAllocator.alloc(%r): %s", size, exc)
+            return 0
+        anchor = ctypes.c_char.from_buffer(m)  # keeps the mapping open until free()
+        address = ctypes.addressof(anchor)
+        self._maps[address] = (m, anchor)
+        return address
+
+    def free(self, address: int) -> int:
+        """0, or a negative code for an address ``alloc`` did not return."""
+        entry = self._maps.pop(address, None)
+        if entry is None:
+            log.error("MooncakeHostMemAllocator.free(%#x): not allocated here", address)
+            return InvalidParams.code
+        m, anchor = entry
+        del entry, anchor
+        m.close()
+        return 0
+
+
 _AUTO_PORTS = range(12300, 14301)
+_SETUP_ALIASES = {"master_server_address": "master_server_addr", "device_name": "rdma_devices"}
 _SETUP_KEYS = {"metadata_server", "global_segment_size", "local_buffer_size", "protocol",
                "rdma_devices", "master_server_addr", "enable_ssd_offload", "ssd_offload_path",
                "tenant_id"}

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -90,11 +90,6 @@ def store(request: pytest.FixtureRequest) -> Iterator[Store]:
         holder.close()
         terminate_group(master)
 
-
-def store_config(address: str, **extra: Any) -> dict[str, Any]:
-    """``kv_connector_extra_config`` for tests: no segment of our own (the holder has it)."""
-    return {"master_server_address": address, "global_segment_size": 0,
-            "rpc_timeout_s": 2.0, "transfer_timeout_s": 5.0, **extra}
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,12 @@ CONNECTOR = "MooncakePluginsStoreConnector"
 init_none_hash(sha256)
 
 
+def store_config(address: str, **extra: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` for tests: no segment of our own (the holder has it)."""
+    return {"master_server_address": address, "global_segment_size": 0,
+            "rpc_timeout_s": 2.0, "transfer_timeout_s": 5.0, **extra}
+
+
 def slot_value(token: int, position: int) -> float:
     return float(token * 4096 + position + 1)
 

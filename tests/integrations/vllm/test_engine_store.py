@@ -11,8 +11,7 @@ import signal
 
 import pytest
 from engines import FULL_BLOCK_TOKENS, run_engine, same_answer
-
-from conftest import store_config
+from harness import store_config
 
 pytestmark = pytest.mark.slow
 

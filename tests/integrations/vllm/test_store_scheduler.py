@@ -9,12 +9,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from harness import BLOCK, MiniEngine
+from harness import BLOCK, MiniEngine, store_config
 from vllm.v1.request import RequestStatus
 
 from mooncake_plugins.store.client import StoreClient
-
-from conftest import store_config
 
 PROMPT = [(i * 37) % 1000 + 3 for i in range(100)]   # 6 full blocks and 4 tokens
 
