@@ -23,7 +23,7 @@ def test_lmcache_settings_come_from_prefixed_extra_config_keys():
     assert extra["remote_storage_plugin.mooncake_plugins.class_name"] == \
         "MooncakePluginsConnector"
     assert lmcache_settings(None) == ConnectorSettings()
-    with pytest.raises(ValueError, match=r"unknown LMCache extra_config key "
+    with pytest.raises(ValueError, match=r"LMCache extra_config: unknown key "
                                          r"'mooncake_plugins.master'; known keys: .*"
                                          r"mooncake_plugins.master_server_address"):
         lmcache_settings({"mooncake_plugins.master": "h:1"})
@@ -40,7 +40,7 @@ def test_sglang_settings_skip_the_dynamic_loader_keys():
     s = sglang_settings(extra)
     assert (s.master_server_address, s.global_segment_size) == ("h:1", 512 << 20)
     assert sglang_settings({}) == BackendSettings()
-    with pytest.raises(ValueError, match=r"unknown hicache-storage-backend-extra-config key "
+    with pytest.raises(ValueError, match=r"hicache-storage-backend-extra-config: unknown key "
                                          r"'tenant_id'"):
         sglang_settings({"tenant_id": "x"})
     with pytest.raises(ValueError, match=r"\['global_segment_size'\]: bad size"):

@@ -17,7 +17,7 @@ def test_settings_convert_and_name_bad_fields():
                                           "save_decode_cache": "yes"}, "X")
     assert (s.global_segment_size, s.replica_num, s.save_decode_cache) == (2 << 30, 2, True)
     assert from_extra_config(StoreSettings, None, "X") == StoreSettings()
-    with pytest.raises(ValueError, match=r"X: unknown kv_connector_extra_config key "
+    with pytest.raises(ValueError, match=r"X kv_connector_extra_config: unknown key "
                                          r"'master_address'; known keys: .*master_server_address"):
         from_extra_config(StoreSettings, {"master_address": "h:1"}, "X")
     with pytest.raises(ValueError, match=r"\['global_segment_size'\]: bad size '4 GBs'"):

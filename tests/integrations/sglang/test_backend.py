@@ -117,7 +117,7 @@ def test_master_down_gives_misses(store, attached):
 
 
 def test_settings_errors_name_the_key(store):
-    with pytest.raises(ValueError, match=r"unknown hicache-storage-backend-extra-config key "
+    with pytest.raises(ValueError, match=r"hicache-storage-backend-extra-config: unknown key "
                                          r"'master_address'"):
         build(store.address, "page_first", master_address="x:1")
     with pytest.raises(ValueError, match=r"protocol 'rdma'"):

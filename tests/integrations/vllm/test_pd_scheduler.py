@@ -267,5 +267,5 @@ def test_settings_errors_name_the_key():
         from_extra_config(PDSettings, {"side_channel_port": 70000}, "PD")
     with pytest.raises(ValueError, match="pull_wait_s"):
         from_extra_config(PDSettings, {"pull_wait_s": 0}, "PD")
-    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key 'prot'"):
+    with pytest.raises(ValueError, match="kv_connector_extra_config: unknown key 'prot'"):
         from_extra_config(PDSettings, {"prot": "tcp"}, "PD")
