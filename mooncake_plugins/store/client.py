@@ -323,8 +323,11 @@ class StoreClient(DerivedForms):
     def _heartbeat_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
             rpc = self._rpc
+            t0 = time.monotonic()
             try:
                 tasks = rpc.call("heartbeat", client_id=self.client_id)
+                if time.monotonic() - t0 > interval_s * 3:
+                    log.warning("heartbeat to %s took %.1f s", rpc.address, time.monotonic() - t0)
                 if tasks:
                     self._start_tasks(tasks)
             except ClientNotFound:
@@ -335,6 +338,8 @@ class StoreClient(DerivedForms):
                     self._safe_failover(rpc, unreachable=True)
                 else:
                     log.warning("heartbeat to %s failed: %s", rpc.address, exc)
+            except Exception:  # the beat must go on, or the master drops our segments
+                log.exception("heartbeat to %s failed", rpc.address)
 
     def _start_tasks(self, tasks: list[dict]) -> None:
         from .tasks import run_task
