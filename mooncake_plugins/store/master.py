@@ -327,6 +327,15 @@ class MasterService:
             c = self._client(client_id)
             c.last_seen, c.confirmed = self._clock(), True
 
+    def touch_clients(self, client_ids: set[str]) -> None:
+        """Count these registered clients as heard from now (their connections are open)."""
+        with self._lock:
+            now = self._clock()
+            for cid in client_ids:
+                c = self._clients.get(cid)
+                if c is not None and c.confirmed:
+                    c.last_seen = now
+
     def _client(self, client_id: str) -> ClientInfo:
         c = self._clients.get(client_id)
         if c is None:

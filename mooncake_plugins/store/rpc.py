@@ -138,7 +138,14 @@ class RpcServer(ConnectionServer):
         self._handlers = handlers
         self._gate = gate
         self._spin_us = spin_us()
+        self._clients_lock = threading.Lock()
+        self._client_of: dict[int, str] = {}   # open connection -> client_id it last named
         self.start()
+
+    def connected_clients(self) -> set[str]:
+        """Client ids named in requests on connections that are still open."""
+        with self._clients_lock:
+            return set(self._client_of.values())
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         fd = conn.fileno()
@@ -158,6 +165,10 @@ class RpcServer(ConnectionServer):
                     raise ProtocolError(f"unknown method {method!r}")
                 schema, fn = handler
                 validate_args(args, schema, method)
+                client_id = args.get("client_id")
+                if isinstance(client_id, str):
+                    with self._clients_lock:
+                        self._client_of[id(conn)] = client_id
                 try:
                     if self._gate is not None:
                         self._gate()
@@ -180,6 +191,9 @@ class RpcServer(ConnectionServer):
                 log.warning("rpc connection from %s failed: %s", addr, exc)
         except Exception:  # never let one connection take the process down
             log.exception("closing rpc connection from %s after an unexpected error", addr)
+        finally:
+            with self._clients_lock:
+                self._client_of.pop(id(conn), None)
 
 
 class RpcClient:

@@ -214,6 +214,10 @@ class MasterServer:
         next_report = time.monotonic() + every
         while not self._stop.wait(self.options.reap_interval_s):
             try:
+                # a client whose connection is open is alive even if its heartbeats lag
+                # (a Python client whose GIL the application holds for seconds); a dead
+                # process's connections close, and its TTL runs from the last of them
+                self.service.touch_clients(self._rpc.connected_clients())
                 self.service.reap()
             except Exception:  # keep reaping whatever one pass hit
                 log.exception("reaper pass failed")

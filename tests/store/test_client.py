@@ -2,6 +2,7 @@
 
 import ctypes
 import os
+import time
 
 import numpy as np
 import pytest
@@ -167,11 +168,30 @@ def test_ssd_tier_keeps_evicted_objects_readable(tmp_path):
         server.close()
 
 
+def test_a_connected_client_is_kept_while_its_heartbeats_lag(master):
+    """A client whose heartbeats stop but whose connections stay open (an application
+    holding the GIL for seconds) keeps its segment and objects past the TTL (2 s)."""
+    c = StoreClient(master.address, global_segment_size=1 << 20)
+    try:
+        c.put("kept", b"v")
+        c._stop.set()
+        c._heartbeat.join()
+        time.sleep(4 * master.service.config.client_ttl_s)
+        assert master.service.stats()["clients"] == 1
+        assert c.get("kept") == b"v"
+    finally:
+        c.close()
+
+
 def test_client_reregisters_after_expiry(master):
     c = StoreClient(master.address, global_segment_size=1 << 20)
     try:
-        c._stop.set()  # silence heartbeats: the master expires us (ttl 2 s)
+        c._stop.set()  # silence heartbeats
         c._heartbeat.join()
+        with c._rpc._lock:  # and drop its connections: the master expires us (ttl 2 s)
+            for sock in c._rpc._idle:
+                sock.close()
+            c._rpc._idle.clear()
         assert wait_until(lambda: master.service.stats()["clients"] == 0, 10)
         c.put("after-expiry", b"ok")  # ClientNotFound -> register + remount -> retry
         assert c.get("after-expiry") == b"ok"
