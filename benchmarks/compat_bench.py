@@ -14,18 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from store_bench import free_port, spawn, stop_all, wait_port  # noqa: E402
-from transfer_bench import ensure_original, log, stop  # noqa: E402
+from transfer_bench import ensure_original, log, write_results  # noqa: E402
 
 WORKLOAD = str(HERE / "compat_workload.py")
 COLD = [("put_bytes_4MiB_s", "first put 4 MiB, bytes (ms)"),
@@ -148,12 +146,7 @@ def main() -> None:
           f"processes; cold: median of {a.cold_rounds} fresh rounds; warm: {a.duration:g} s "
           "per metric; 'ours vs original' > 1 means ours leads")
     rows = table(results)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                               "host": platform.node(), "cpus": os.cpu_count(),
-                               "params": vars(a), "rows": rows, "raw": results}, indent=2))
-    print(f"\nwrote {out}")
+    write_results(a.out, vars(a), rows, results)
 
 
 if __name__ == "__main__":

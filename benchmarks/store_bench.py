@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from transfer_bench import ensure_original, log, stop  # noqa: E402
+from transfer_bench import ensure_original, log, stop, write_results  # noqa: E402
 
 WORKLOAD = str(HERE / "store_workload.py")
 METRICS = [("put_4MiB_GBps", "put 4 MiB, put_from (GB/s)"), ("get_4MiB_GBps", "get 4 MiB, get_into (GB/s)"),
@@ -158,12 +157,7 @@ def main() -> None:
         cells = [fmt.format(vals[c]) for c in cols]
         cells += [f"{x:.2f}" if x is not None else "" for x in (xo, xr)]
         print(f"| {label} | " + " | ".join(cells) + " |")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
-                               "cpus": os.cpu_count(), "params": vars(a), "rows": rows,
-                               "raw": results}, indent=2))
-    print(f"\nwrote {out}")
+    write_results(a.out, vars(a), rows, results)
 
 
 if __name__ == "__main__":

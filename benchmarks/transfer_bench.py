@@ -30,6 +30,18 @@ ORIG_VENV = HERE / ".venv-orig"
 ORIG_WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
 
+def write_results(path: str, params: dict, rows: list, raw: dict | None = None) -> None:
+    """The run's table rows (and raw figures) as JSON, with when and where it ran."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
+           "cpus": os.cpu_count(), "params": params, "rows": rows}
+    if raw is not None:
+        doc["raw"] = raw
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"\nwrote {out}")
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -245,11 +257,7 @@ def main() -> None:
         vc = f"{r['vs_ceiling']:.2f}" if "vs_ceiling" in r else ""
         vo = f"{r['vs_original_tcp']:.2f}" if "vs_original_tcp" in r else ""
         print(f"| {r['name']:34} | {r['op']:5} | {r['gbps']:6.2f} | {vc:>9} | {vo:>14} |")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
-                               "cpus": os.cpu_count(), "params": vars(a), "rows": rows}, indent=2))
-    print(f"\nwrote {out}")
+    write_results(a.out, vars(a), rows)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,7 +33,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from compat_bench import start_master  # noqa: E402
 from store_bench import spawn, stop_all  # noqa: E402
-from transfer_bench import ensure_original, log  # noqa: E402
+from transfer_bench import ensure_original, log, write_results  # noqa: E402
 
 RUN_LLM = str(ROOT / "tests" / "integrations" / "vllm" / "run_llm.py")
 WORKLOAD = str(HERE / "compat_workload.py")
@@ -166,12 +164,7 @@ def main() -> None:
                      "cached_tokens": cached, "same_tokens": same})
         print(f"| {name} | {'' if save is None else f'{save:.3f}'} | {hit['seconds']:.3f} | "
               f"{cached} | {'yes' if same else 'NO'} |")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                               "host": platform.node(), "cpus": os.cpu_count(),
-                               "params": vars(a), "rows": rows, "raw": results}, indent=2))
-    print(f"\nwrote {out}")
+    write_results(a.out, vars(a), rows, results)
 
 
 if __name__ == "__main__":
