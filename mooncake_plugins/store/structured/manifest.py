@@ -109,19 +109,27 @@ class BundleManifestStore:
 
     # -- writing ------------------------------------------------------------------------
 
-    def put_bundle(self, meta: Any, buffers: Mapping[str, Any], partition: str = "default",
-                   chunk_bytes: int | None = None, policy: BundleTransferPolicy | None = None,
-                   max_inflight_put: int | None = None, config: Any = None
-                   ) -> RemoteBundleRef:
-        """Write ``meta`` and every buffer, then the manifest; on any failure everything
-        written is removed and the error raised."""
+    def _new_bundle(self, partition: str, meta: Any, chunk_bytes: int | None,
+                    policy: BundleTransferPolicy | None, max_inflight_put: int | None
+                    ) -> tuple[memoryview, int, BundleTransferPolicy, str, str]:
+        """A new bundle's checked inputs: (meta's bytes, chunk size, policy, object id,
+        key base)."""
         check_segment(partition, "partition")
         meta_view = bytes_view(meta, "meta")
         chunk = check_chunk_bytes(self._default_chunk_bytes if chunk_bytes is None
                                   else chunk_bytes)
         policy = (policy or BundleTransferPolicy()).validated(max_inflight_put)
         object_id = f"{partition}/{uuid.uuid4().hex}"
-        base = f"{self._prefix}/{object_id}"
+        return meta_view, chunk, policy, object_id, f"{self._prefix}/{object_id}"
+
+    def put_bundle(self, meta: Any, buffers: Mapping[str, Any], partition: str = "default",
+                   chunk_bytes: int | None = None, policy: BundleTransferPolicy | None = None,
+                   max_inflight_put: int | None = None, config: Any = None
+                   ) -> RemoteBundleRef:
+        """Write ``meta`` and every buffer, then the manifest; on any failure everything
+        written is removed and the error raised."""
+        meta_view, chunk, policy, object_id, base = self._new_bundle(
+            partition, meta, chunk_bytes, policy, max_inflight_put)
         written: list[str] = []
         try:
             meta_spec = self._put_bytes(f"{base}/meta", meta_view, chunk, policy.as_copy(),
@@ -145,13 +153,8 @@ class BundleManifestStore:
                             ) -> RemoteBundleRef:
         """A new bundle with fresh ``meta`` over payloads already stored (``buffers`` are
         payload specs, possibly of other bundles); it owns ``cleanup_keys`` too."""
-        check_segment(partition, "partition")
-        meta_view = bytes_view(meta, "meta")
-        chunk = check_chunk_bytes(self._default_chunk_bytes if chunk_bytes is None
-                                  else chunk_bytes)
-        policy = (policy or BundleTransferPolicy()).validated()
-        object_id = f"{partition}/{uuid.uuid4().hex}"
-        base = f"{self._prefix}/{object_id}"
+        meta_view, chunk, policy, object_id, base = self._new_bundle(
+            partition, meta, chunk_bytes, policy, None)
         written: list[str] = []
         try:
             meta_spec = self._put_bytes(f"{base}/meta", meta_view, chunk, policy.as_copy(),
