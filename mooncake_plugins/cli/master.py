@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag("processing_task_timeout_sec", type=float, default=300.0, help="0: no timeout")
     flag("max_total_pending_tasks", type=int, default=10000)
     flag("max_total_finished_tasks", type=int, default=10000)
+    flag("replica_repair_concurrency", type=int, default=64,
+         help="ours: copy tasks re-creating replicas lost with a dead client at a time (0: off)")
     flag("config_path", default="", help="JSON object of flag names and values (the command line wins)")
     flag("flagfile", default="", help="file of --flag=value lines")
     flag("fromenv", default="", help="comma-separated flags to read from FLAGS_<name>")
@@ -329,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         task_pending_timeout_s=args.pending_task_timeout_sec,
         task_processing_timeout_s=args.processing_task_timeout_sec,
         max_pending_tasks=args.max_total_pending_tasks,
-        max_finished_tasks=args.max_total_finished_tasks)
+        max_finished_tasks=args.max_total_finished_tasks,
+        replica_repair_concurrency=args.replica_repair_concurrency)
     try:
         config.validate()
     except InvalidParams as exc:

@@ -5,9 +5,14 @@ made thread-safe by one lock; ``server.py`` puts it behind RPC.
 
 Object life: ``put_start`` allocates replicas (PROCESSING, invisible) -> the writer moves
 the bytes -> ``put_end`` makes them visible (COMPLETE); ``put_revoke`` or a writer that
-never finishes (``put_start_discard_timeout_s``) frees them. ``get`` grants a read lease;
-leased objects are neither evicted nor removed (unless forced), and space freed while a
-lease runs is only reused after it ends.
+never finishes (``put_start_discard_timeout_s``) frees them. ``get`` and ``exist`` grant a
+read lease (as the original's ``ExistKey`` does); leased objects are neither evicted nor
+removed (unless forced), and space freed while a lease runs is only reused after it ends.
+A copy in flight holds its source's bytes the same way, but does not stop a removal.
+
+Replica repair (repair.py): when a client dies, objects that lost replicas with its
+segments get new ones on other live segments, copied by a client holding a surviving
+replica (a copy task) and visible only once the copy ended.
 
 Lock order: ``MasterService._lock`` only (allocators and LRU live under it). No file is
 touched under it: disk replicas to delete are queued (:meth:`MasterService.take_disk_drops`)
@@ -35,6 +40,7 @@ from ..errors import (ClientNotFound, InvalidKey, InvalidParams, JobNotFound, No
 from .allocation import STRATEGIES, MountedSegment, order_segments
 from .journal import OBJECT, SEGMENT, Journal, State
 from .offload import relative_name
+from .repair import RepairQueue
 from .tasks import (COPY, FAILED, JOB_CANCELED, JOB_FAILED, JOB_SUCCEEDED, MOVE, SUCCESS, DrainJob,
                     TaskId, TaskQueue)
 
@@ -70,6 +76,9 @@ class MasterConfig:
     """A copy/move task its client has not finished by then fails (0: never)."""
     max_pending_tasks: int = 10000
     max_finished_tasks: int = 10000
+    replica_repair_concurrency: int = 64
+    """Copy tasks re-creating replicas lost with a dead client, at most this many at a
+    time (0: lost replicas are not re-created)."""
     persist_puts: bool = False
     """Ask every client to keep each object it puts in the SSD tier (under its own
     ``ssd_offload_path``, else under ``root_fs_dir``), as the original does whenever its
@@ -84,6 +93,8 @@ class MasterConfig:
             raise InvalidParams("default_kv_soft_pin_ttl must be in [0, max_kv_soft_pin_ttl]")
         if self.default_kv_lease_ttl_ms <= 0 or self.client_ttl_s <= 0:
             raise InvalidParams("lease and client TTLs must be > 0")
+        if self.replica_repair_concurrency < 0:
+            raise InvalidParams("replica_repair_concurrency must be >= 0")
         if self.stripe_nbytes < 4096:
             raise InvalidParams("stripe_nbytes must be >= 4096")
         if self.enable_offload and not self.root_fs_dir:
@@ -152,6 +163,7 @@ class ObjectMeta:
     hard_pinned: bool = False
     pending_hard_pin: bool = False
     owner: str = ""                 # client whose put made the current replicas
+    replica_num: int = 0            # memory replicas it should have: lost ones are re-created
     disk_name: str | None = None    # under root_fs_dir, derived from the key by the master
 
     @property
@@ -221,6 +233,7 @@ class MasterService:
                                pending_timeout_s=c.task_pending_timeout_s or math.inf,
                                processing_timeout_s=c.task_processing_timeout_s or math.inf,
                                clock=clock)
+        self.repairs = RepairQueue(c.replica_repair_concurrency)
         self.counters = {"puts": 0, "gets": 0, "removes": 0, "evicted": 0, "offloaded_evictions": 0,
                          "expired_clients": 0, "discarded_puts": 0, "recovered_objects": 0}
         self._journal: Journal | None = None
@@ -244,7 +257,8 @@ class MasterService:
         if meta is not None and meta.complete:
             left = meta.soft_pin_until - self._clock()
             value = [meta.nbytes, [list(r) for r in meta.replicas], meta.owner, meta.hard_pinned,
-                     int((time.time() + left) * 1000) if left > 0 else 0, meta.disk_name]
+                     int((time.time() + left) * 1000) if left > 0 else 0, meta.disk_name,
+                     meta.replica_num]
         self._journal.record(OBJECT, key, value)
 
     def _note_segment(self, name: str) -> None:
@@ -265,7 +279,8 @@ class MasterService:
 
         The segments' owners are known again but unconfirmed: no new data is placed on
         their segments until they heartbeat or register, and those that stay silent for
-        ``client_ttl_s`` are dropped as usual. Replicas on unknown segments are dropped.
+        ``client_ttl_s`` are dropped as usual. Replicas on unknown segments are dropped;
+        objects left with fewer replicas than they should have are queued for repair.
         """
         with self._lock:
             now = self._clock()
@@ -282,11 +297,12 @@ class MasterService:
             for (kind, key), value in state.items():
                 if kind != OBJECT:
                     continue
-                nbytes, replicas, owner, hard, pin_ms, disk = value
+                nbytes, replicas, owner, hard, pin_ms, disk = value[:6]
                 kept = [[tuple(s) for s in r] for r in replicas
                         if all(s[0] in self._segments for s in r)]
                 meta = ObjectMeta(nbytes, kept, owner=owner, hard_pinned=hard, disk_name=disk,
-                                  soft_pin_until=now + (pin_ms - wall_ms) / 1000 if pin_ms else 0.0)
+                                  soft_pin_until=now + (pin_ms - wall_ms) / 1000 if pin_ms else 0.0,
+                                  replica_num=value[6] if len(value) > 6 else len(replicas))
                 if not meta.complete:
                     self._note(key)
                     continue
@@ -309,6 +325,9 @@ class MasterService:
                         if not meta.complete:
                             del self._objects[key]
                         self._note(key)
+            for key, meta in self._objects.items():
+                if 0 < len(meta.replicas) < meta.replica_num:
+                    self.repairs.add(key)
             self.counters["recovered_objects"] = len(self._objects)
             return len(self._objects)
 
@@ -355,7 +374,7 @@ class MasterService:
                     raise SegmentAlreadyExists(f"segment {name!r} is mounted already")
                 # restored from the journal, and its name is now another process's: the
                 # bytes recorded there are gone with the process that had them
-                self._drop_segments({name})
+                self._drop_segments({name}, repair=True)
             self._segments[name] = MountedSegment(name, client_id, base, nbytes, client.host_id)
             client.segments.add(name)
             self._note_segment(name)
@@ -369,9 +388,11 @@ class MasterService:
             self._drop_segments({name})
         log.info("unmounted segment %s of client %s", name, client_id)
 
-    def _drop_segments(self, names: set[str]) -> None:
+    def _drop_segments(self, names: set[str], repair: bool = False) -> None:
         """Forget segments and every replica with a shard on them (memory is gone with its
-        owner). Their shards on other segments are freed, after the read lease if any."""
+        owner). Their shards on other segments are freed, after the read lease if any.
+        ``repair`` (the owner died): objects left short of replicas are queued for repair;
+        otherwise (an unmount) they keep fewer replicas from now on."""
         for name in names:
             seg = self._segments.pop(name, None)
             if seg is not None:
@@ -389,6 +410,7 @@ class MasterService:
         self._drained -= names
         deferred = [(t, [s for s in r if s[0] not in names]) for t, r in self._deferred]
         self._deferred = [(t, r) for t, r in deferred if r]
+        queued = 0
         for key in list(self._objects):
             meta = self._objects[key]
             lost = [r for r in meta.replicas if self._on(r, names)]
@@ -402,7 +424,16 @@ class MasterService:
             if not meta.complete and meta.pending is None:
                 del self._objects[key]
             if lost:
+                if not repair:  # its holder left on purpose: the object keeps fewer replicas
+                    meta.replica_num = min(meta.replica_num, len(meta.replicas))
+                elif meta.replicas and len(meta.replicas) < meta.replica_num:
+                    self.repairs.add(key)
+                    queued += 1
                 self._note(key)
+        if queued:
+            log.warning("%d objects lost replicas with segments %s: %s", queued, sorted(names),
+                        "re-creating them elsewhere" if self.repairs.enabled
+                        else "replica repair is off (replica_repair_concurrency=0)")
 
     @staticmethod
     def _on(replica: MemoryReplica, names: set[str]) -> bool:
@@ -560,6 +591,7 @@ class MasterService:
             old = meta.replicas
             meta.replicas, meta.pending = meta.pending, None
             meta.nbytes, meta.owner = meta.pending_nbytes, client_id
+            meta.replica_num = len(meta.replicas)
             if meta.pending_pin_ttl_ms is not None:
                 meta.soft_pin_until = self._clock() + meta.pending_pin_ttl_ms / 1000 \
                     if meta.pending_pin_ttl_ms else 0.0
@@ -655,10 +687,23 @@ class MasterService:
         return out
 
     def exist(self, key: str) -> bool:
-        """Whether a complete object is stored under ``key`` (an invalid key never is)."""
+        """Whether a complete object is stored under ``key`` (an invalid key never is); one
+        that is gets a read lease, as a get would (the original's ``ExistKey``)."""
+        return self.exist_many([key])[0]
+
+    def exist_many(self, keys: list[str], lease: bool = True) -> list[bool]:
+        """:meth:`exist` for many keys under one lock; ``lease=False`` only looks."""
         with self._lock:
-            meta = self._objects.get(key)
-            return meta is not None and meta.complete
+            until = self._clock() + self.config.default_kv_lease_ttl_ms / 1000
+            out = []
+            for key in keys:
+                meta = self._objects.get(key) if isinstance(key, str) else None
+                found = meta is not None and meta.complete
+                if found and lease:
+                    meta.lease_until = max(meta.lease_until, until)
+                    meta.read_until = max(meta.read_until, until)
+                out.append(found)
+            return out
 
     # -- removal ------------------------------------------------------------------------
     def remove(self, key: str, force: bool = False) -> None:
@@ -671,7 +716,8 @@ class MasterService:
             self._remove(key, meta, force)
 
     def _remove(self, key: str, meta: ObjectMeta, force: bool) -> None:
-        if meta.lease_until > self._clock() and not force:
+        # readers' leases refuse it; a copy's is kept for its source bytes (freed after it)
+        if meta.read_until > self._clock() and not force:
             raise ObjectHasLease(f"{key!r} is being read (lease); retry or force")
         if meta.pending is not None:
             for r in meta.pending:
@@ -823,6 +869,10 @@ class MasterService:
                 gone = [r for r in meta.replicas if any(s[0] == cp.drop_segment for s in r)]
                 meta.replicas = [r for r in meta.replicas if r not in gone]
                 self._free_after_lease(meta, gone)
+            else:  # a copy adds replicas the object keeps (a repair restores lost ones)
+                if self.repairs.running_for(key, client_id):
+                    self.repairs.recreated += len(cp.new)
+                meta.replica_num = max(meta.replica_num, len(meta.replicas))
             self._note(key)
 
     def _cancel_copy(self, key: str) -> None:
@@ -856,7 +906,9 @@ class MasterService:
             cp = self._copies.get(key)
             if not ok and cp is not None and cp.client_id == client_id:
                 self._cancel_copy(key)
-        self.advance_drains()  # a drain's next move starts now, not at the next reaper pass
+        # a drain's next move and the next repair start now, not at the next reaper pass
+        self.advance_drains()
+        self.advance_repairs()
 
     def set_draining(self, segments: list[str], draining: bool) -> None:
         """Stop (or resume) placing new replicas on ``segments``. Raises StoreSegmentNotFound."""
@@ -991,6 +1043,92 @@ class MasterService:
         best = max(room, default=None)
         return best[1] if best and best[0] >= meta.nbytes else None
 
+    # -- replica repair (repair.py): re-create replicas lost with a dead client -------------
+    def advance_repairs(self) -> None:
+        """Account finished repair copies, then start copy tasks for waiting objects."""
+        rq = self.repairs
+        if not rq.enabled:
+            return
+        with self._lock:
+            now = self._clock()
+            whole = 0
+            for tid, run in rq.running():
+                key, status = run.key, self.tasks.status(tid)
+                if status == SUCCESS:
+                    rq.succeeded(tid)
+                    meta = self._objects.get(key)
+                    if meta is not None and 0 < len(meta.replicas) < meta.replica_num:
+                        rq.add(key)  # some targets had no room, or another holder died since
+                    else:
+                        whole += 1
+                elif status == FAILED or status is None:
+                    log.warning("replica repair of %r: copy task %s failed: %s", key, tid,
+                                self.tasks.message(tid))
+                    rq.failed_task(tid, now)
+            started, blocked = self._start_repairs(now) if rq.has_room else (0, 0)
+        if whole or started:
+            log.info("replica repair: %d objects whole again, %d copies started; %s", whole,
+                     started, rq.stats())
+        if blocked:
+            log.warning("replica repair: no live segment has room for new replicas of %d more "
+                        "objects (they stay readable from their surviving replicas; %d wait "
+                        "for room)", blocked, rq.stats()["repairs_blocked"])
+
+    def _start_repairs(self, now: float) -> tuple[int, int]:
+        """Start copy tasks for waiting objects while fewer than ``max_running`` run, never
+        filling the pool past the eviction watermark. Returns (started, newly blocked)."""
+        rq = self.repairs
+        due = rq.due(now)
+        if not due:
+            return 0, 0
+        used, total = self._capacity()
+        room = int(total * self.config.eviction_high_watermark_ratio) - used
+        free = {s.name: s.allocator.largest_free for s in self._segments.values()
+                if s.name not in self._draining and self._clients.get(s.client_id, _GONE).confirmed}
+        for _, run in rq.running():
+            if run.key not in self._copies:   # handed out, its space not reserved yet
+                room -= run.nbytes * len(run.targets)
+                for name in run.targets:
+                    free[name] = free.get(name, 0) - run.nbytes
+        started = blocked = 0
+        for key in due:
+            meta = self._objects.get(key)
+            if meta is None or not meta.replicas or len(meta.replicas) >= meta.replica_num:
+                rq.drop(key)
+                continue
+            if not rq.has_room:
+                break
+            source = self._repair_source(meta)
+            if meta.pending is not None or key in self._copies or source is None:
+                rq.later(key)
+                continue
+            holding = {s[0] for r in meta.replicas for s in r}
+            fits = sorted((n for n, f in free.items() if f >= meta.nbytes and n not in holding),
+                          key=free.__getitem__, reverse=True)
+            targets = fits[:max(0, min(meta.replica_num - len(meta.replicas), room // meta.nbytes))]
+            if not targets:
+                blocked += rq.block(key)
+                continue
+            try:
+                tid = self.tasks.submit(COPY, key, source, targets, self._owner_of(source))
+            except TaskLimitExceeded:
+                rq.later(key)
+                break
+            rq.start(key, tid, self._owner_of(source), targets, meta.nbytes)
+            for name in targets:  # an estimate until the copy reserves its space
+                free[name] -= meta.nbytes
+            room -= meta.nbytes * len(targets)
+            started += 1
+        return started, blocked
+
+    def _repair_source(self, meta: ObjectMeta) -> str | None:
+        """A segment of a replica whose every shard's owner is heard from (one whole on one
+        segment preferred), None when there is none."""
+        live = [r for r in meta.replicas
+                if all(self._clients.get(self._segments[s[0]].client_id, _GONE).confirmed
+                       for s in r)]
+        return min(live, key=len)[0][0] if live else None
+
     def batch_replica_clear(self, client_id: str, keys: list[str], segment: str = "") -> list[str]:
         """Drop ``client_id``'s objects among ``keys`` (``segment`` given: only their replicas
         there). Leased, in-flight or foreign objects are skipped; returns the keys cleared."""
@@ -1011,6 +1149,7 @@ class MasterService:
                 if not gone:
                     continue
                 meta.replicas = [r for r in meta.replicas if r not in gone]
+                meta.replica_num = min(meta.replica_num, len(meta.replicas))
                 for r in gone:
                     self._free(r)
                 if not meta.complete:
@@ -1022,7 +1161,7 @@ class MasterService:
     # -- housekeeping -------------------------------------------------------------------
     def reap(self) -> None:
         """Expire silent clients and tasks, cancel copies that did not end in time, discard
-        abandoned puts, free space whose lease ended, advance drains."""
+        abandoned puts, free space whose lease ended, advance drains and repairs."""
         with self._lock:
             now = self._clock()
             dead = [c for c in self._clients.values() if now - c.last_seen > self.config.client_ttl_s]
@@ -1031,7 +1170,7 @@ class MasterService:
                 self.tasks.fail_client(c.client_id, "its client stopped sending heartbeats")
                 log.warning("client %s missed heartbeats for %.1f s: dropping its segments %s",
                             c.client_id, now - c.last_seen, sorted(c.segments))
-                self._drop_segments(set(c.segments))
+                self._drop_segments(set(c.segments), repair=True)
                 del self._clients[c.client_id]
                 self.counters["expired_clients"] += 1
             for key, meta in list(self._objects.items()):
@@ -1047,10 +1186,12 @@ class MasterService:
                     self._free(r)
             self._deferred = keep
         self.advance_drains()
+        self.advance_repairs()
 
     def stats(self) -> dict:
         with self._lock:
             used, total = self._capacity()
             return {"objects": sum(1 for m in self._objects.values() if m.complete),
                     "segments": len(self._segments), "clients": len(self._clients),
-                    "used_bytes": used, "capacity_bytes": total, **self.counters}
+                    "used_bytes": used, "capacity_bytes": total, **self.counters,
+                    **self.repairs.stats()}

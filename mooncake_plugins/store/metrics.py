@@ -37,11 +37,13 @@ class _Collector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         st = self._service.stats()
-        for name in ("objects", "segments", "clients", "used_bytes", "capacity_bytes"):
+        for name in ("objects", "segments", "clients", "used_bytes", "capacity_bytes",
+                     "repairs_waiting", "repairs_running", "repairs_blocked"):
             yield GaugeMetricFamily(f"mooncake_master_{name}", f"current {name.replace('_', ' ')}",
                                     value=st[name])
         for name in ("puts", "gets", "removes", "evicted", "offloaded_evictions",
-                     "expired_clients", "discarded_puts"):
+                     "expired_clients", "discarded_puts", "replicas_recreated", "repairs_failed",
+                     "repairs_abandoned"):
             yield CounterMetricFamily(f"mooncake_master_{name}", f"{name.replace('_', ' ')} so far",
                                       value=st[name])
 

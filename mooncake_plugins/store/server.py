@@ -284,7 +284,7 @@ class MasterServer:
             "put_revoke": ({**cid, **keys},
                            lambda client_id, keys: _each(keys, lambda k: s.put_revoke(client_id, k))),
             "get_replicas": (keys, s.get_many),
-            "exist": (keys, lambda keys: [int(s.exist(k)) for k in keys]),
+            "exist": (keys, lambda keys: [int(x) for x in s.exist_many(keys)]),
             "remove": ({**keys, "force": bool}, self._durable(self._deleting(
                 lambda keys, force: _each(keys, lambda k: s.remove(k, force))))),
             "remove_by_regex": ({"pattern": str, "force": bool},

@@ -70,6 +70,7 @@ class TaskQueue:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._tasks: dict[TaskId, Task] = {}
+        self._open: dict[TaskId, Task] = {}     # PENDING or PROCESSING: what the scans look at
         self._finished: OrderedDict[TaskId, None] = OrderedDict()
         self._max_pending, self._max_finished = max_pending, max_finished
         self._pending_timeout_s, self._processing_timeout_s = pending_timeout_s, processing_timeout_s
@@ -77,11 +78,11 @@ class TaskQueue:
 
     def submit(self, type_: int, key: str, source: str, targets: list[str], client_id: str) -> TaskId:
         with self._lock:
-            if sum(t.status == PENDING for t in self._tasks.values()) >= self._max_pending:
+            if sum(t.status == PENDING for t in self._open.values()) >= self._max_pending:
                 raise TaskLimitExceeded(f"{self._max_pending} tasks are pending already")
             task = Task(new_task_id(), type_, key, source, list(targets), client_id,
                         deadline=self._clock() + self._pending_timeout_s)
-            self._tasks[task.id] = task
+            self._tasks[task.id] = self._open[task.id] = task
         log.info("task %s: %s of %r from %s to %s, run by client %s", task.id, TYPE_NAMES[type_],
                  key, source, targets, client_id)
         return task.id
@@ -99,12 +100,18 @@ class TaskQueue:
             task = self._tasks.get(task_id)
             return None if task is None else task.status
 
+    def message(self, task_id: TaskId) -> str:
+        """What a task's client reported (why it failed), "" when it is unknown."""
+        with self._lock:
+            task = self._tasks.get(task_id)
+            return "" if task is None else task.message
+
     def take(self, client_id: str) -> list[dict]:
         """The pending tasks of ``client_id``, now PROCESSING (the heartbeat hands them over)."""
         with self._lock:
             now = self._clock()
             out = []
-            for t in self._tasks.values():
+            for t in self._open.values():
                 if t.client_id == client_id and t.status == PENDING:
                     t.status, t.deadline = PROCESSING, now + self._processing_timeout_s
                     t.updated_ms = int(time.time() * 1000)
@@ -124,6 +131,7 @@ class TaskQueue:
 
     def _finish(self, task: Task, status: int, message: str) -> None:
         task.status, task.message = status, message
+        self._open.pop(task.id, None)
         task.updated_ms = int(time.time() * 1000)
         self._finished[task.id] = None
         while len(self._finished) > self._max_finished:
@@ -133,8 +141,8 @@ class TaskQueue:
     def fail_client(self, client_id: str, why: str) -> None:
         """Fail the unfinished tasks of a client that went away."""
         with self._lock:
-            for t in list(self._tasks.values()):
-                if t.client_id == client_id and t.status in (PENDING, PROCESSING):
+            for t in list(self._open.values()):
+                if t.client_id == client_id:
                     self._finish(t, FAILED, why)
 
     def expire(self) -> list[tuple[str, str]]:
@@ -142,15 +150,15 @@ class TaskQueue:
         with self._lock:
             now = self._clock()
             expired = []
-            for t in list(self._tasks.values()):
-                if t.status in (PENDING, PROCESSING) and now > t.deadline:
+            for t in list(self._open.values()):
+                if now > t.deadline:
                     self._finish(t, FAILED, f"timed out while {STATUS_NAMES[t.status]}")
                     expired.append((t.client_id, t.key))
             return expired
 
     def unfinished(self) -> int:
         with self._lock:
-            return sum(t.status in (PENDING, PROCESSING) for t in self._tasks.values())
+            return len(self._open)
 
 
 def run_task(client: StoreClient, task: dict) -> None:
