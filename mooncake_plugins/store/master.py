@@ -148,7 +148,7 @@ class PutConfig:
         return ttl
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ObjectMeta:
     nbytes: int
     replicas: list[MemoryReplica] = field(default_factory=list)   # complete, readable
@@ -216,6 +216,9 @@ class MasterService:
         self._lock = threading.Lock()
         self._disk_drops: list[str] = []    # disk replica names nothing refers to any more
         self._objects: OrderedDict[str, ObjectMeta] = OrderedDict()   # LRU order, oldest first
+        # keys put_start reserved space for (a superset of the puts in flight: entries whose
+        # put ended leave at the next reap), so the reaper never scans every object
+        self._writing: dict[str, None] = {}
         self._segments: dict[str, MountedSegment] = {}
         self._clients: dict[str, ClientInfo] = {}
         self._deferred: list[tuple[float, MemoryReplica]] = []        # freed after a lease ends
@@ -518,15 +521,17 @@ class MasterService:
         freed = 0
         passes = [False, True] if self.config.allow_evict_soft_pinned_objects else [False]
         for allow_pinned in passes:
-            for key in list(self._objects):
+            victims = []  # chosen in LRU order first, then freed: no copy of the whole key list
+            for key, meta in self._objects.items():
                 if freed >= target:
-                    return freed
-                meta = self._objects[key]
+                    break
                 if (not meta.replicas or meta.pending is not None or meta.lease_until > now
                         or meta.hard_pinned or key in self._copies
                         or (meta.soft_pin_until > now and not allow_pinned)):
                     continue
                 freed += sum(s[2] for r in meta.replicas for s in r)
+                victims.append((key, meta))
+            for key, meta in victims:
                 for r in meta.replicas:
                     self._free(r)
                 meta.replicas = []
@@ -576,6 +581,7 @@ class MasterService:
             if meta is None:
                 meta = self._objects[key] = ObjectMeta(nbytes)
             meta.pending, meta.pending_nbytes, meta.writer, meta.started = replicas, nbytes, client_id, now
+            self._writing[key] = None
             meta.pending_pin_ttl_ms, meta.pending_hard_pin = pin_ttl_ms, cfg.with_hard_pin
             self._take_free_seq()
             return replicas
@@ -1173,11 +1179,15 @@ class MasterService:
                 self._drop_segments(set(c.segments), repair=True)
                 del self._clients[c.client_id]
                 self.counters["expired_clients"] += 1
-            for key, meta in list(self._objects.items()):
-                if meta.pending is not None and now - meta.started > self.config.put_start_discard_timeout_s:
+            for key in list(self._writing):
+                meta = self._objects.get(key)
+                if meta is not None and meta.pending is not None:
+                    if now - meta.started <= self.config.put_start_discard_timeout_s:
+                        continue
                     log.warning("discarding put of %r abandoned by %s", key, meta.writer)
                     self._discard_pending(key, meta)
                     self.counters["discarded_puts"] += 1
+                del self._writing[key]
             keep = []
             for until, r in self._deferred:
                 if until > now:
@@ -1191,7 +1201,9 @@ class MasterService:
     def stats(self) -> dict:
         with self._lock:
             used, total = self._capacity()
-            return {"objects": sum(1 for m in self._objects.values() if m.complete),
+            writing = (self._objects.get(k) for k in self._writing)
+            return {"objects": len(self._objects) - sum(1 for m in writing
+                                                        if m is not None and not m.complete),
                     "segments": len(self._segments), "clients": len(self._clients),
                     "used_bytes": used, "capacity_bytes": total, **self.counters,
                     **self.repairs.stats()}
