@@ -10,6 +10,11 @@ LMCache loads it through its remote storage plugin framework; in LMCache's confi
 
 Our settings are the ``mooncake_plugins.*`` keys of ``extra_config``
 (:class:`mooncake_lmcache.config.ConnectorSettings`).
+
+LMCache 0.5.6 builds no ``remote_storage_plugins`` backend in its scheduler role
+(``enable_scheduler_bypass_lookup``: it asserts a CPU pool first). A deployment using that
+role selects the connector with ``remote_url: EXTERNAL_REMOTE_URL`` instead (same
+``extra_config``), which LMCache builds in both roles.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from __future__ import annotations
 PLUGIN_NAME = "mooncake_plugins"
 MODULE_PATH = "mooncake_lmcache.connector"
 CLASS_NAME = "MooncakePluginsConnector"
+EXTERNAL_REMOTE_URL = f"external://127.0.0.1:0/{MODULE_PATH}/?connector_name={CLASS_NAME}"
+"""LMCache ``remote_url`` loading the connector through its external-connector adapter
+(host and port are placeholders LMCache's URL parser requires; the store's address is
+``mooncake_plugins.master_server_address``)."""
 
 
 def extra_config(**settings: object) -> dict[str, object]:

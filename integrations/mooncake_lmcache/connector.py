@@ -18,6 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.connector import SafeLocalCPUBackend
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
@@ -48,9 +49,17 @@ def _pool_buffers(local_cpu_backend: LocalCPUBackend) -> list[tuple[int, int]]:
 class MooncakePluginsConnector(RemoteConnector):
     """LMCache remote connector storing each chunk as one store object.
 
-    Built by LMCache's ``DynamicConnectorAdapter`` as ``cls(loop=, local_cpu_backend=,
-    config=)``. Chunks are stored as raw bytes (no LMCache metadata header), so the
-    connector needs LMCache's ``naive`` serde and whole-chunk (not layerwise) storage.
+    Built by LMCache's ``DynamicConnectorAdapter`` (``remote_storage_plugins``) or
+    ``ExternalConnectorAdapter`` (``remote_url: external://...``) as ``cls(loop=,
+    local_cpu_backend=, config=)``. Chunks are stored as raw bytes (no LMCache metadata
+    header), so the connector needs LMCache's ``naive`` serde and whole-chunk (not
+    layerwise) storage.
+
+    In LMCache's scheduler role (``enable_scheduler_bypass_lookup``) there is no CPU pool:
+    LMCache passes its stand-in ``SafeLocalCPUBackend``, which carries neither config nor
+    metadata, and only asks whether chunks exist. The connector is then lookup-only
+    (:attr:`lookup_only`): a store client with no segment and no registered memory that
+    answers ``exists``/``contains``; gets and puts raise.
 
     Raises:
         ValueError: a bad ``mooncake_plugins.*`` setting, or an LMCache config this
@@ -61,8 +70,16 @@ class MooncakePluginsConnector(RemoteConnector):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: LocalCPUBackend,
                  config: Optional[LMCacheEngineConfig] = None) -> None:
-        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
-        lm = config if config is not None else local_cpu_backend.config
+        self.lookup_only = isinstance(local_cpu_backend, SafeLocalCPUBackend)
+        if self.lookup_only:
+            if config is None:
+                raise ValueError("LMCache's scheduler role gave the connector no config")
+            # RemoteConnector.__init__ needs LMCache's metadata, which the stand-in lacks;
+            # what it derives from it (chunk shapes and sizes) only serves gets and puts.
+            lm = config
+        else:
+            super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+            lm = config if config is not None else local_cpu_backend.config
         if lm.remote_serde not in (None, "naive"):
             raise ValueError(f"remote_serde {lm.remote_serde!r}: mooncake_plugins stores "
                              "chunks as raw bytes and needs remote_serde 'naive'")
@@ -74,24 +91,34 @@ class MooncakePluginsConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self._prefix = f"{s.key_prefix}lmcache/"
+        segment = 0 if self.lookup_only else s.global_segment_size
         client = StoreClient(s.master_server_address, local_hostname=s.local_hostname,
                              metadata_server=s.metadata_server,
-                             global_segment_size=s.global_segment_size, protocol=s.protocol,
+                             global_segment_size=segment, protocol=s.protocol,
                              rpc_timeout_s=s.rpc_timeout_s,
                              transfer_timeout_s=s.transfer_timeout_s,
                              failover_timeout_s=s.rpc_timeout_s)
         self.io = ChunkIO(client, s.replica_num)
         try:
-            for address, nbytes in _pool_buffers(local_cpu_backend):
+            for address, nbytes in _pool_buffers(local_cpu_backend):  # none: stand-in
                 self.io.register(address, nbytes)
         except BaseException:
             self.io.unregister_all()
             client.close()
             raise
         self._pool = ThreadPoolExecutor(s.io_threads, thread_name_prefix="mc-lmcache")
-        log.info("LMCache connector on the store at %s (segment %d bytes, zero-copy over "
-                 "%d buffers)", s.master_server_address, s.global_segment_size,
-                 self.io.region_count)
+        if self.lookup_only:
+            log.info("LMCache connector on the store at %s: lookups only (LMCache's "
+                     "scheduler role, no CPU pool)", s.master_server_address)
+        else:
+            log.info("LMCache connector on the store at %s (segment %d bytes, zero-copy "
+                     "over %d buffers)", s.master_server_address, segment,
+                     self.io.region_count)
+
+    def _require_pool(self, what: str) -> None:
+        if self.lookup_only:
+            raise RuntimeError(f"{what}: this connector was built in LMCache's scheduler "
+                               "role (no CPU pool) and only looks chunks up")
 
     # -- keys and calls -------------------------------------------------------------
     def store_key(self, key: CacheEngineKey) -> str:
@@ -159,6 +186,7 @@ class MooncakePluginsConnector(RemoteConnector):
 
     async def batched_get(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
         """Each chunk in a memory object from LMCache's local CPU pool, or None."""
+        self._require_pool("get")
         objs: list[Optional[MemoryObj]] = []
         for _ in keys:
             obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes,
@@ -215,6 +243,7 @@ class MooncakePluginsConnector(RemoteConnector):
                           memory_objs: List[MemoryObj]) -> None:
         """Store the chunks. Raises the first failure (LMCache logs and counts it);
         chunks that were stored stay stored."""
+        self._require_pool("put")
         names = [self.store_key(k) for k in keys]
         try:
             errors = await self._run(self.io.put, names, list(memory_objs),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 import threading
 from typing import Any, Callable
 
@@ -43,6 +44,7 @@ class TransferNotify:
 
 
 _PROTOCOLS = {"tcp": ["shm", "tcp"], "shm": ["shm", "tcp"]}
+FORCE_TCP_ENV = "MC_FORCE_TCP"
 
 
 def _codes(default: int) -> Callable:
@@ -82,7 +84,20 @@ class TransferEngine:
     @_codes(-1)
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str,
                    device_name: str) -> int:
-        """Start serving; ``protocol`` is tcp (same-host peers use shm automatically)."""
+        """Start serving; ``protocol`` is tcp (same-host peers use shm automatically).
+
+        As in the original, ``rdma`` on a host without RDMA devices (always, on this
+        build) runs over tcp, and with ``MC_FORCE_TCP`` set (to any value) any protocol
+        does ("MC_FORCE_TCP is set, using TCP transport only"): SGLang PD asks for rdma
+        by default, and its ``mooncake_tcp`` backend sets MC_FORCE_TCP. Other protocols
+        are an error code.
+        """
+        if protocol not in _PROTOCOLS and (protocol == "rdma" or FORCE_TCP_ENV in os.environ):
+            why = f"{FORCE_TCP_ENV} is set" if FORCE_TCP_ENV in os.environ else \
+                "this build has no RDMA"
+            log.warning("protocol %r: %s, using tcp (shm between processes of one host)",
+                        protocol, why)
+            protocol = "tcp"
         if protocol not in _PROTOCOLS:
             raise TransportUnavailable(f"protocol {protocol!r} is not available here "
                                        f"(available: {sorted(_PROTOCOLS)})")

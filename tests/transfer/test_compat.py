@@ -81,7 +81,7 @@ def test_error_codes(engines):
     assert ini.send_probe(name) == 0
     assert ini.send_probe("127.0.0.1:1") < 0
     bad = TransferEngine()
-    assert bad.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0") < 0
+    assert bad.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") < 0  # rdma: tcp, as the original
     port_in_use = TransferEngine()  # OSError (address in use) is a code too, never raised
     assert port_in_use.initialize(f"127.0.0.1:{ini.get_rpc_port()}", "P2PHANDSHAKE", "tcp", "") < 0
 

@@ -39,6 +39,13 @@ def config(plugins: list[str], extra: dict[str, Any], **fields: Any) -> LMCacheE
         remote_storage_plugins=plugins, extra_config=extra, **fields)
 
 
+def metadata(role: str | None = None) -> LMCacheMetadata:
+    """A one-worker deployment's metadata; LMCache's scheduler process has role scheduler."""
+    return LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
+                           local_worker_id=0, kv_dtype=torch.float32, kv_shape=KV_SHAPE,
+                           chunk_size=CHUNK, role=role)
+
+
 def key(chunk: int, worker: int = 0) -> CacheEngineKey:
     return CacheEngineKey(MODEL, 1, worker, 0x5EED0000 + chunk, torch.float32)
 
@@ -65,12 +72,9 @@ class Backends:
         self._thread = threading.Thread(target=self.loop.run_forever, name="lmcache-loop",
                                         daemon=True)
         self._thread.start()
-        md = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
-                             local_worker_id=0, kv_dtype=torch.float32, kv_shape=KV_SHAPE,
-                             chunk_size=CHUNK)
-        self.metadata = md
+        self.metadata = metadata()
         try:
-            self.all = CreateStorageBackends(cfg, md, self.loop, dst_device="cpu")
+            self.all = CreateStorageBackends(cfg, self.metadata, self.loop, dst_device="cpu")
         except BaseException:
             self._stop_loop()
             raise
