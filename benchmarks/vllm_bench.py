@@ -14,7 +14,10 @@ Variants: no connector; our ``MooncakePluginsStoreConnector``; vLLM's in-tree
 ``MooncakeStoreConnector`` on our drop-in ``mooncake`` package; the same in-tree connector on
 the original wheel (``mooncake-transfer-engine-non-cuda==0.3.13.post1``, its own master and
 holder from benchmarks/.venv-orig, its Python modules put first on the engines' path).
-Prints a table; writes benchmarks/results/vllm_bench.json.
+``--rounds R`` times R ``generate`` calls per engine, each over its own prompts (engine A
+saves all of them, engine B loads them); the table shows the median round. ``--variants``
+picks the variants to run (e.g. ``none,ours``). Prints a table; writes
+benchmarks/results/vllm_bench.json.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +43,7 @@ RUN_LLM = str(ROOT / "tests" / "integrations" / "vllm" / "run_llm.py")
 WORKLOAD = str(HERE / "compat_workload.py")
 ORIG_MODULES = HERE / ".orig-mooncake"   # the original wheel's files, for the vLLM venv
 ORIG_WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+VARIANTS = ("none", "ours", "in-tree on ours", "in-tree on original")
 
 
 def tiny_llama(layers: int) -> str:
@@ -58,7 +63,8 @@ def run_engine(model: str, a: argparse.Namespace, kv: dict | None, env: dict) ->
     out = tempfile.mktemp(suffix=".json")
     rpc = tempfile.mkdtemp(prefix="vllm-rpc-")
     cmd = [sys.executable, RUN_LLM, model, out, "--prompt-len", str(a.prompt_len),
-           "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens), "--warmup"]
+           "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens), "--warmup",
+           "--rounds", str(a.rounds)]
     if kv:
         cmd += ["--kv-config", json.dumps(kv)]
     try:
@@ -134,36 +140,52 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--skip-original", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="timed generate calls per engine, each over its own prompts")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--out", default=str(HERE / "results" / "vllm_bench.json"))
     a = ap.parse_args()
+    chosen = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown or a.rounds < 1:
+        ap.error(f"unknown variants {unknown}" if unknown else "--rounds must be >= 1")
     model = tiny_llama(a.layers)
+    results: dict[str, dict] = {}
     try:
-        log("no connector")
-        results = {"none": {"hit": run_engine(model, a, None, {})}}
-        plan = [("ours", "ours"), ("in-tree on ours", "ours")]
-        if not a.skip_original and ensure_original() and ensure_original_modules():
+        if "none" in chosen:
+            log("no connector")
+            results["none"] = {"hit": run_engine(model, a, None, {})}
+        plan = [(n, "ours") for n in ("ours", "in-tree on ours") if n in chosen]
+        if ("in-tree on original" in chosen and not a.skip_original and ensure_original()
+                and ensure_original_modules()):
             plan.append(("in-tree on original", "original"))
         for name, system in plan:
             results[name] = variant(name, system, model, a)
     finally:
         shutil.rmtree(model, ignore_errors=True)
-    want = [r["tokens"] for r in results["none"]["hit"]["requests"]]
+    want = ([r["tokens"] for r in results["none"]["hit"]["requests"]]
+            if "none" in results else None)
     rows = []
     print(f"\n{os.cpu_count()} cores; tiny Llama ({a.layers} layers, 2 KV heads x 64), "
           f"{a.prompts} prompts x {a.prompt_len} tokens, max_tokens {a.max_tokens}; "
-          "generate seconds after a warm-up, fresh engine processes")
+          "generate seconds after a warm-up, fresh engine processes"
+          + (f"; median of {a.rounds} rounds" if a.rounds > 1 else ""))
     print("\n| connector | save path generate (s) | hit path generate (s) | "
           "cached tokens (hit) | tokens = no connector |")
     print("|---|---:|---:|---:|---|")
     for name, r in results.items():
         hit = r["hit"]
         cached = sum(q["num_cached_tokens"] for q in hit["requests"])
-        same = [q["tokens"] for q in hit["requests"]] == want
-        save = r.get("save", {}).get("seconds")
-        rows.append({"connector": name, "save_s": save, "hit_s": hit["seconds"],
-                     "cached_tokens": cached, "same_tokens": same})
-        print(f"| {name} | {'' if save is None else f'{save:.3f}'} | {hit['seconds']:.3f} | "
-              f"{cached} | {'yes' if same else 'NO'} |")
+        same = None if want is None else [q["tokens"] for q in hit["requests"]] == want
+        save = statistics.median(r["save"]["round_seconds"]) if "save" in r else None
+        hit_s = statistics.median(hit["round_seconds"])
+        rows.append({"connector": name, "save_s": save, "hit_s": hit_s,
+                     "cached_tokens": cached, "same_tokens": same,
+                     "save_rounds_s": r["save"]["round_seconds"] if "save" in r else None,
+                     "hit_rounds_s": hit["round_seconds"]})
+        print(f"| {name} | {'' if save is None else f'{save:.3f}'} | {hit_s:.3f} | "
+              f"{cached} | {'n/a' if same is None else 'yes' if same else 'NO'} |")
     write_results(a.out, vars(a), rows, results)
 
 

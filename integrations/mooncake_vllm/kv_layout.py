@@ -5,7 +5,9 @@ dimensions (the first on the CPU backend, ``[num_blocks, kv_heads, block_size, 2
 the second on CUDA flash attention, ``[2, num_blocks, block_size, kv_heads, head]``). A
 block of one layer is then one or more contiguous byte ranges at a fixed distance per
 block, so a block's KV over all layers is a list of ``(address, nbytes)`` pieces: what the
-store's gathered puts and scattered gets take, with no staging copy.
+store's gathered puts and scattered gets take, with no staging copy. A block's object in
+the store holds its layers one after the other, each ``layer_nbytes`` long, so layer ``l``
+is the object's bytes from ``l * layer_nbytes``: what a layer-wise load reads.
 """
 
 from __future__ import annotations
@@ -79,20 +81,24 @@ class KVLayout:
         sizes = {sum(n for _, n in p.pieces) for p in self._patterns}
         if len(sizes) != 1:
             raise ValueError(f"layers disagree on the bytes of one block: {sorted(sizes)}")
-        self.block_nbytes = sizes.pop() * len(self._patterns)
+        self.layer_nbytes = sizes.pop()
+        self.block_nbytes = self.layer_nbytes * len(self._patterns)
         self.regions = sorted(spans.items())
         """Distinct ``(address, nbytes)`` memory behind the tensors, for registration."""
         self.pieces_per_block = sum(len(p.pieces) for p in self._patterns)
 
     def block_pieces(self, block_id: int) -> list[tuple[int, int]]:
         """The block's bytes over all layers, in layer order."""
+        return [piece for layer in range(len(self._patterns))
+                for piece in self.layer_pieces(block_id, layer)]
+
+    def layer_pieces(self, block_id: int, layer: int) -> list[tuple[int, int]]:
+        """The block's bytes of one layer (its index in ``layer_names``)."""
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block {block_id} outside 0..{self.num_blocks - 1}")
-        out = []
-        for p in self._patterns:
-            start = p.base + block_id * p.block_stride
-            out.extend((start + off, n) for off, n in p.pieces)
-        return out
+        p = self._patterns[layer]
+        start = p.base + block_id * p.block_stride
+        return [(start + off, n) for off, n in p.pieces]
 
     def describe(self) -> str:
         """A short text of the layout, for logs."""

@@ -59,11 +59,13 @@ class MooncakePluginsStoreConnector(SplitConnector):
         self._worker.handle_preemptions(kv_connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in :meth:`start_load_kv`, before the forward pass."""
+        """Wait for this layer's reads of the step's blocks (started in start_load_kv)."""
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Blocks are saved whole (all layers) once the forward pass is done."""
+        """Blocks are saved whole (all layers) once the forward pass is done: a block is one
+        store object, and a put is published only when all of its bytes are written."""
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._get_connector_metadata())

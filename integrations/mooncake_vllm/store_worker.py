@@ -3,24 +3,33 @@ the store, zero-copy.
 
 The KV cache tensors are registered with the store client once; a block over all layers
 is a list of ``(address, nbytes)`` pieces (:class:`KVLayout`), which the store gathers on
-put and scatters on get, so no staging buffer is involved. Loads run before the forward
-pass that needs them; saves are handed to a background thread after the forward pass, so
-they overlap the next steps. A request whose blocks are still being saved is reported as
-finished sending only when its saves are done, which keeps vLLM from reusing the blocks;
-blocks of a preempted request are waited for before the next forward pass may overwrite
-them.
+put and scatters on get, so no staging buffer is involved.
+
+Loads are layer-wise: before the forward pass, one master round trip finds every block's
+object, then a background thread reads the objects' layers in order, each layer of every
+block a ranged read straight into that layer's KV tensor. The forward pass waits, in each
+attention layer, only for that layer's reads, so layer ``l + 1`` arrives while layer ``l``
+computes. A block any of whose layers could not be read is reported to vLLM as failed at
+the end of the step, and vLLM recomputes it (its other layers are overwritten then).
+
+Saves are handed to a background thread after the forward pass, so they overlap the next
+steps. A request whose blocks are still being saved is reported as finished sending only
+when its saves are done, which keeps vLLM from reusing the blocks; blocks of a preempted
+request are waited for before the next forward pass may overwrite them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mooncake_plugins.errors import MooncakeError, ObjectAlreadyExists
-from mooncake_plugins.store.client import ReplicateConfig, StoreClient
+from mooncake_plugins.store.client import Located, ReplicateConfig, StoreClient
 
 from .config import StoreSettings
 from .keys import BlockKeys
@@ -33,6 +42,37 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+_LayerRead = tuple[list, float]   # per block its bytes read or error; when the read ended
+
+
+def _on_kv_cores() -> None:
+    """Thread initializer: move this thread to the cores vLLM's CPU backend keeps for KV
+    transfers (the last core of each NUMA node; vLLM binds its compute threads elsewhere
+    and pins the thread that starts ours to a compute core). Without this, reads and
+    writes would take turns with the forward pass on one core instead of overlapping it."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    try:
+        cores = [max(node) for node in current_platform.discover_numa_topology() if node]
+        if cores:
+            os.sched_setaffinity(0, cores)
+    except OSError as exc:
+        log.info("store connector: KV transfer threads stay on the cores they were given (%s)",
+                 exc)
+
+
+@dataclass
+class _StepLoads:
+    """One step's loads: a read per layer, in flight, over the blocks that were found."""
+
+    started: float
+    blocks: list[int]                                # block ids whose objects were found
+    layers: dict[str, "Future[_LayerRead]"]          # layer name -> its read, until waited for
+    failed: dict[int, str] = field(default_factory=dict)   # block id -> why (any layer)
+    ended: float = 0.0
 
 
 class StoreWorker:
@@ -47,7 +87,11 @@ class StoreWorker:
         self._layout: KVLayout | None = None
         self._link = StoreLink(settings, settings.global_segment_size,
                                f"store connector (worker {tp_rank})", self._on_connect)
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="mc-vllm-save")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="mc-vllm-save",
+                                         initializer=_on_kv_cores)
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="mc-vllm-load",
+                                          initializer=_on_kv_cores)
+        self._loads: _StepLoads | None = None         # this step's layer reads
         self._saves: dict[str, list[Future]] = {}     # req id -> its save batches
         self._finishing: set[str] = set()             # finished requests with saves out
         self._load_errors: set[int] = set()
@@ -80,12 +124,13 @@ class StoreWorker:
             wait(pending)
 
     def start_load_kv(self, meta: StoreMetadata) -> None:
+        """Find the step's blocks in the store, then start reading them layer by layer."""
+        self._finish_loads()
         if not meta.loads:
             return
         client = self._client()
         layout = self._layout
         keys: list[str] = []
-        parts: list[list[tuple[int, int]]] = []
         ids: list[int] = []
         for job in meta.loads:
             keys += self._keys.keys(job.block_hashes, self._rank)
@@ -93,21 +138,67 @@ class StoreWorker:
         if client is None or layout is None:
             self._fail_loads(ids, "the store is not reachable")
             return
-        parts = [layout.block_pieces(b) for b in ids]
         t0 = time.perf_counter()
         try:
-            results = client.batch_get_into_parts(keys, parts)
+            located = client.locate(keys)
         except MooncakeError as exc:
             self._fail_loads(ids, str(exc))
             return
-        failed = [b for b, r in zip(ids, results)
-                  if isinstance(r, Exception) or r != layout.block_nbytes]
-        loaded = len(ids) - len(failed)
-        self._count(blocks_loaded=loaded, bytes_loaded=loaded * layout.block_nbytes,
-                    load_seconds=time.perf_counter() - t0)
-        if failed:
-            first = next(r for r in results if isinstance(r, Exception) or r != layout.block_nbytes)
-            self._fail_loads(failed, str(first))
+        failed: dict[int, str] = {}
+        found: list[tuple[int, int]] = []      # (object index, block id)
+        for j, (block, obj) in enumerate(zip(ids, located.found)):
+            if isinstance(obj, Exception):
+                failed.setdefault(block, str(obj))
+            elif obj[0] != layout.block_nbytes:
+                failed.setdefault(block, f"{keys[j]!r} holds {obj[0]} bytes, a block "
+                                         f"{layout.block_nbytes}")
+            else:
+                found.append((j, block))
+        layers = {}
+        for layer, name in enumerate(layout.layer_names):
+            reads = [(j, layer * layout.layer_nbytes, layout.layer_pieces(block, layer))
+                     for j, block in found]
+            layers[name] = self._loader.submit(self._read_layer, client, located, reads)
+        self._loads = _StepLoads(t0, [b for _, b in found], layers, failed)
+
+    @staticmethod
+    def _read_layer(client: StoreClient, located: Located,
+                    reads: list[tuple[int, int, list[tuple[int, int]]]]) -> _LayerRead:
+        try:
+            results: list = client.batch_get_ranges_into(located, reads)
+        except MooncakeError as exc:
+            results = [exc] * len(reads)
+        return results, time.perf_counter()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until this step's reads of ``layer_name`` are done (failures are reported
+        at the end of the step)."""
+        loads = self._loads
+        if loads is not None and layer_name in loads.layers:
+            self._collect(loads, layer_name)
+
+    @staticmethod
+    def _collect(loads: _StepLoads, layer_name: str) -> None:
+        results, ended = loads.layers.pop(layer_name).result()
+        loads.ended = max(loads.ended, ended)
+        for block, r in zip(loads.blocks, results):
+            if isinstance(r, Exception):
+                loads.failed.setdefault(block, f"layer {layer_name}: {r}")
+
+    def _finish_loads(self) -> None:
+        """Wait for the step's reads not waited for yet; count them, report failures."""
+        loads, self._loads = self._loads, None
+        if loads is None:
+            return
+        for name in list(loads.layers):
+            self._collect(loads, name)
+        layout = self._layout
+        loaded = sum(b not in loads.failed for b in loads.blocks)
+        if loads.blocks:
+            self._count(blocks_loaded=loaded, bytes_loaded=loaded * layout.block_nbytes,
+                        load_seconds=max(0.0, loads.ended - loads.started))
+        if loads.failed:
+            self._fail_loads(list(loads.failed), next(iter(loads.failed.values())))
 
     def _fail_loads(self, block_ids: list[int], why: str) -> None:
         log.warning("store connector (worker %d): %d block(s) not loaded (%s); vLLM "
@@ -116,6 +207,8 @@ class StoreWorker:
         self._load_errors.update(block_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of this step that were not loaded whole (vLLM recomputes them)."""
+        self._finish_loads()
         out, self._load_errors = self._load_errors, set()
         return out
 
@@ -176,5 +269,6 @@ class StoreWorker:
             return self._stats.take()
 
     def shutdown(self) -> None:
+        self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         self._link.close()

@@ -76,6 +76,33 @@ def _pair(local: Sequence[tuple[int, int]], shards: Sequence[Sequence]) -> list[
     return runs
 
 
+def _window(shards: Sequence[Sequence], offset: int, nbytes: int) -> list[tuple[str, int, int]]:
+    """The ``(segment, address, nbytes)`` runs of a replica's shards that hold the object's
+    bytes ``offset..offset+nbytes``."""
+    runs = []
+    for seg, remote, n in shards:
+        if nbytes <= 0:
+            break
+        if offset >= n:
+            offset -= n
+            continue
+        take = min(n - offset, nbytes)
+        runs.append((seg, remote + offset, take))
+        offset, nbytes = 0, nbytes - take
+    return runs
+
+
+@dataclass(frozen=True)
+class Located:
+    """Objects as :meth:`StoreClient.locate` found them, read-leased from ``since``
+    (``time.monotonic()``): per key ``(nbytes, memory replicas in the order to try, disk
+    replica name or None)``, or the key's error."""
+
+    keys: list[str]
+    found: list[tuple[int, list, str | None] | StoreError]
+    since: float
+
+
 @dataclass(eq=False)
 class _Failover:
     """One failover in progress: the threads whose calls failed meanwhile wait on ``done``."""
@@ -558,54 +585,106 @@ class StoreClient(DerivedForms):
             self._local_segments[segment] = local
         return local
 
+    def locate(self, keys: Sequence[str]) -> Located:
+        """Where each object's bytes are (one master round trip), for
+        :meth:`batch_get_ranges_into`; this takes a read lease on each object found."""
+        since = time.monotonic()
+        replies = self._call("get_replicas", keys=list(keys)) if keys else []
+        found: list[Any] = []
+        for code, info in replies:
+            if code:
+                found.append(store_error(code, info))
+                continue
+            nbytes, replicas, disk, _ = info
+            if len(replicas) > 1:  # spread readers, same-host replicas first
+                random.shuffle(replicas)
+                replicas.sort(key=lambda r: not all(self._is_local(s[0]) for s in r))
+            found.append((nbytes, replicas, disk))
+        return Located(list(keys), found, since)
+
+    def batch_get_ranges_into(self, located: Located,
+                              reads: Sequence[tuple[int, int, Sequence[tuple[int, int]]]]
+                              ) -> list[int | StoreError]:
+        """Read byte ranges of located objects into registered memory, with no further
+        master round trip: each read ``(object index in located, offset, pieces)`` fills
+        its ``(address, nbytes)`` pieces, in order, with the object's bytes from ``offset``.
+
+        Per read, the bytes read or an error: the object's lookup error,
+        InvalidParams for a range beyond the object, StoreTransferFailed when no replica
+        could be read, LeaseExpired when the read ended after the lookup's lease ran out
+        (the space may have been reused: the bytes must not be used).
+
+        Raises:
+            InvalidParams: an object index outside ``located``.
+        """
+        out: list[Any] = [None] * len(reads)
+        todo = []
+        for r, (i, offset, pieces) in enumerate(reads):
+            if not 0 <= i < len(located.keys):
+                raise InvalidParams(f"object index {i} outside the {len(located.keys)} located")
+            obj = located.found[i]
+            nbytes = sum(n for _, n in pieces)
+            if isinstance(obj, Exception):
+                out[r] = obj
+            elif offset < 0 or offset + nbytes > obj[0]:
+                out[r] = InvalidParams(f"bytes {offset}..{offset + nbytes} of {located.keys[i]!r}: "
+                                       f"it has {obj[0]}")
+            else:
+                todo.append((r, i, offset, nbytes, list(pieces)))
+        self._read(located, todo, out)
+        return out
+
+    def _read(self, located: Located, todo: list[tuple[int, int, int, int, list[tuple[int, int]]]],
+              out: list[Any]) -> None:
+        """Run ``(out index, object index, offset, nbytes, local pieces)`` reads: each
+        replica in turn, then the disk replica; ``out`` gets the bytes read or an error."""
+        pending = {r: (i, offset, nbytes, local) for r, i, offset, nbytes, local in todo}
+        attempt = 0
+        while pending:
+            plan: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+            for r, (i, offset, nbytes, local) in list(pending.items()):
+                size, replicas, disk = located.found[i]
+                if attempt < len(replicas):
+                    for laddr, seg, raddr, n in _pair(local, _window(replicas[attempt], offset,
+                                                                     nbytes)):
+                        plan[seg].append((laddr, raddr, n, r))
+                elif disk is not None:
+                    out[r] = self._read_disk(located.keys[i], disk, size, local, offset, nbytes)
+                    del pending[r]
+                else:
+                    out[r] = StoreTransferFailed(f"no replica of {located.keys[i]!r} could be read")
+                    del pending[r]
+            failed = self._run(OpCode.READ, plan)
+            for r in list(pending):
+                if r in failed:
+                    log.info("reading %r from replica %d failed: %s",
+                             located.keys[pending[r][0]], attempt, failed[r])
+                elif attempt < len(located.found[pending[r][0]][1]):
+                    out[r] = pending.pop(r)[2]
+            attempt += 1
+        if time.monotonic() - located.since >= self._lease_ttl_s:
+            # the lease ran out while reading: the space may have been reused under us
+            for r, i, _, _, _ in todo:
+                if isinstance(out[r], int):
+                    out[r] = LeaseExpired(f"reading {located.keys[i]!r} outlived its lease")
+
     def _get(self, keys: list[str], dest: Callable[[int, int], list[tuple[int, int]]],
              retry_expired: bool = True) -> list:
         if not keys:
             return []
-        t0 = time.monotonic()
-        replies = self._call("get_replicas", keys=keys)
-        out: list[Any] = [None] * len(keys)
-        todo: dict[int, tuple[list[tuple[int, int]], int, list, str | None]] = {}
-        for i, (code, info) in enumerate(replies):
-            if code:
-                out[i] = store_error(code, info)
+        located = self.locate(keys)
+        out: list[Any] = list(located.found)
+        todo = []
+        for i, obj in enumerate(located.found):
+            if isinstance(obj, Exception):
                 continue
-            nbytes, replicas, disk, _ = info
             try:
-                local = dest(i, nbytes)
+                todo.append((i, i, 0, obj[0], dest(i, obj[0])))
             except StoreError as exc:
                 out[i] = exc
-                continue
-            if len(replicas) > 1:  # spread readers, same-host replicas first
-                random.shuffle(replicas)
-                replicas.sort(key=lambda r: not all(self._is_local(s[0]) for s in r))
-            todo[i] = (local, nbytes, replicas, disk)
-        attempt = 0
-        while todo:
-            plan: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
-            for i, (local, nbytes, replicas, disk) in list(todo.items()):
-                if attempt < len(replicas):
-                    for laddr, seg, raddr, n in _pair(local, replicas[attempt]):
-                        plan[seg].append((laddr, raddr, n, i))
-                elif disk is not None:
-                    out[i] = self._read_disk(keys[i], disk, local, nbytes)
-                    del todo[i]
-                else:
-                    out[i] = StoreTransferFailed(f"no replica of {keys[i]!r} could be read")
-                    del todo[i]
-            failed = self._run(OpCode.READ, plan)
-            for i in list(todo):
-                if i not in failed and attempt < len(todo[i][2]):
-                    out[i] = todo.pop(i)[1]
-                elif i in failed:
-                    log.info("reading %r from replica %d failed: %s", keys[i], attempt, failed[i])
-            attempt += 1
-        if time.monotonic() - t0 >= self._lease_ttl_s:
-            # the lease ran out while reading: the space may have been reused under us
-            if retry_expired:
-                return self._get(keys, dest, retry_expired=False)
-            return [LeaseExpired(f"reading {k!r} outlived its lease") if isinstance(o, int) else o
-                    for k, o in zip(keys, out)]
+        self._read(located, todo, out)
+        if retry_expired and any(isinstance(o, LeaseExpired) for o in out):
+            return self._get(keys, dest, retry_expired=False)
         return out
 
     def _disk_path(self, name: str) -> str:
@@ -616,23 +695,20 @@ class StoreClient(DerivedForms):
             raise ValueError("no ssd_offload_path here and the master reports no root_fs_dir")
         return offload.resolve(root, name)
 
-    def _read_disk(self, key: str, name: str, local: list[tuple[int, int]],
-                   nbytes: int) -> int | StoreError:
+    def _read_disk(self, key: str, name: str, size: int, local: list[tuple[int, int]],
+                   offset: int, nbytes: int) -> int | StoreError:
+        """Read bytes ``offset..offset+nbytes`` of the ``size``-byte object from its SSD-tier
+        file straight into the ``local`` pieces."""
         path = name
         try:
             path = self._disk_path(name)
-            single = len(local) == 1
-            data = self.engine.local_view(local[0][0], nbytes) if single else bytearray(nbytes)
-            size = offload.read_file_into(path, memoryview(data))
-            if size != nbytes:  # never hand out the rest of the buffer as object bytes
-                raise ValueError(f"the file holds {size} bytes, the object {nbytes}")
-            if single:
-                return nbytes
-            off = 0
-            for address, n in local:
-                take = min(n, nbytes - off)
-                self.engine.local_view(address, take)[:] = data[off:off + take]
-                off += take
+            views, left = [], nbytes
+            for address, room in local:
+                if left <= 0:
+                    break
+                views.append(self.engine.local_view(address, min(room, left)))
+                left -= len(views[-1])
+            offload.read_range_into(path, size, offset, views)
             return nbytes
         except (OSError, ValueError, MooncakeError) as exc:
             return StoreTransferFailed(f"reading {key!r} from the SSD tier ({path}) failed: {exc}")

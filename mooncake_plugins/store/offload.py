@@ -14,6 +14,7 @@ import errno
 import hashlib
 import os
 import re
+from typing import Sequence
 
 _NAME = re.compile(r"([0-9a-f]{2})/\1[0-9a-f]{38}\.obj")
 
@@ -101,19 +102,21 @@ def write_file(path: str, data: memoryview) -> None:
     os.replace(tmp, path)
 
 
-def read_file_into(path: str, dest: memoryview) -> int:
-    """Read a whole offloaded object into ``dest``; returns its size (OSError if absent)."""
+def read_range_into(path: str, size: int, offset: int, dests: Sequence[memoryview]) -> None:
+    """Read bytes from ``offset`` of the ``size``-byte offloaded object into ``dests``, in
+    order (OSError if absent or truncated; ValueError if the file is not ``size`` long)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        if size > len(dest):
-            raise ValueError(f"{path} holds {size} bytes, more than the {len(dest)}-byte buffer")
-        done = 0
-        while done < size:
-            n = os.preadv(fd, [dest[done:size]], done)
-            if n == 0:
-                raise OSError(f"{path} was truncated while reading")
-            done += n
-        return size
+        found = os.fstat(fd).st_size
+        if found != size:  # never hand out other bytes as the object's
+            raise ValueError(f"{path} holds {found} bytes, the object {size}")
+        for dest in dests:
+            done = 0
+            while done < len(dest):
+                n = os.preadv(fd, [dest[done:]], offset + done)
+                if n == 0:
+                    raise OSError(f"{path} was truncated while reading")
+                done += n
+            offset += done
     finally:
         os.close(fd)

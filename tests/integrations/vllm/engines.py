@@ -1,32 +1,53 @@
-"""Real vLLM CPU engines in subprocesses (``run_llm.py``), and how to compare answers."""
+"""Real vLLM CPU engines in subprocesses, and how to compare their answers.
+
+``run_engine`` runs one engine over prompts and exits (``run_llm.py``); ``start_engines``
+starts long-lived engines (``serve_llm.py``) at once, each answering requests line by
+line, so one engine serves several checks and engines start side by side (an engine
+start is mostly single-threaded Python imports: on an idle two-core machine two take
+little longer than one).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator, Sequence
 
-from helpers import terminate_group
+from helpers import LineChild, terminate_group
 
-RUN_LLM = str(Path(__file__).with_name("run_llm.py"))
+HERE = Path(__file__).resolve().parent
+RUN_LLM = str(HERE / "run_llm.py")
+SERVE_LLM = str(HERE / "serve_llm.py")
 PROMPT_LEN = 641          # 5 full CPU blocks of 128 tokens and one more token
 FULL_BLOCK_TOKENS = 640
+MAX_TOKENS = 8
+SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1,
+            "detokenize": False, "ignore_eos": True}
+START_S = 240
 
 
 def run_engine(model: str, tmp_path: Path, name: str, kv: dict | None = None,
-               env: dict | None = None, prompts: int = 1) -> tuple[list[dict], str]:
+               env: dict | None = None, prompts: int = 1,
+               single_process: bool = False) -> tuple[list[dict], str]:
     """One engine process over ``prompts`` distinct prompts of ``PROMPT_LEN`` tokens;
     (one JSON result per prompt, the engine's log)."""
     out, log = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
     rpc = tempfile.mkdtemp(prefix="vllm-rpc-")   # zmq ipc paths must stay short
     cmd = [sys.executable, RUN_LLM, model, str(out), "--prompt-len", str(PROMPT_LEN),
-           "--prompts", str(prompts)]
+           "--prompts", str(prompts), "--max-tokens", str(MAX_TOKENS)]
     if kv is not None:
         cmd += ["--kv-config", json.dumps(kv)]
+    if single_process:
+        cmd.append("--single-process")
     child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
                  "VLLM_RPC_BASE_PATH": rpc, **(env or {})}
     with open(log, "wb") as f:
@@ -42,6 +63,126 @@ def run_engine(model: str, tmp_path: Path, name: str, kv: dict | None = None,
     return json.loads(out.read_text())["requests"], text
 
 
+def engine_env(tmp: Path, name: str, rpc: str, core: str | None = None) -> dict[str, str]:
+    """An engine's environment: its own RPC directory ``rpc``, loopback addresses, a 1 GiB
+    KV cache, its compute threads on ``core`` (vLLM's default binding when None), and the
+    logs of vLLM and of our packages in ``tmp/<name>.log``."""
+    log = tmp / f"{name}.log"
+    config = tmp / f"{name}-logging.json"
+    handler = {"class": "logging.FileHandler", "filename": str(log), "formatter": "plain"}
+    config.write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(asctime)s %(process)d %(name)s "
+                                           "%(levelname)s %(message)s"}},
+        "handlers": {"file": handler},
+        "loggers": {n: {"handlers": ["file"], "level": "INFO", "propagate": False}
+                    for n in ("vllm", "mooncake_vllm", "mooncake_plugins")}}))
+    env = {**os.environ, "VLLM_RPC_BASE_PATH": rpc, "VLLM_HOST_IP": "127.0.0.1",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_CONFIG_PATH": str(config)}
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = core
+    return env
+
+
+@dataclass
+class Engine:
+    """A running ``serve_llm.py`` engine, its log file and its RPC directory."""
+
+    child: LineChild
+    log: Path
+    rpc: str
+
+    def generate(self, prompt: list[int], sampling: dict[str, Any] = SAMPLING,
+                 kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+        line = json.dumps({"prompt": prompt, "sampling": sampling,
+                           "kv_transfer_params": kv_transfer_params})
+        return json.loads(self.child.ask(line, timeout_s=120))
+
+    def reset_prefix_cache(self, timeout_s: float = 30.0) -> None:
+        """Empty vLLM's own prefix cache (retried while finished requests still hold
+        blocks), so a prompt seen before is asked of the connector again."""
+        deadline = time.monotonic() + timeout_s
+        while not json.loads(self.child.ask('{"reset_prefix_cache": true}'))["reset"]:
+            assert time.monotonic() < deadline, "vLLM kept refusing to reset its prefix cache"
+            time.sleep(0.2)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Quit and wait for the engine's own shutdown (its connector finishes its saves
+        then), ending whatever is left of it after ``timeout_s``."""
+        proc = self.child.proc
+        try:
+            if proc.poll() is None:
+                proc.stdin.write(b"quit\n")
+                proc.stdin.flush()
+                proc.wait(timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.child.close()
+        shutil.rmtree(self.rpc, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to start: a name (for its log), a KV transfer config, the core of its compute
+    threads, env overrides, and whether its engine core and worker share one process
+    (vLLM's default is three processes: front end, engine core, worker)."""
+
+    name: str
+    kv: dict[str, Any] | None = None
+    core: str | None = None
+    env: dict[str, str] | None = None
+    single_process: bool = False
+
+
+def start_engines(model: str, tmp: Path, specs: Sequence[EngineSpec]) -> list[Engine]:
+    """Start ``serve_llm.py`` engines side by side and wait until all are up; if one fails,
+    the others are closed and its error raised."""
+    def start(spec: EngineSpec) -> Engine:
+        cmd = [sys.executable, SERVE_LLM, model]
+        if spec.kv is not None:
+            cmd += ["--kv-config", json.dumps(spec.kv)]
+        if spec.single_process:
+            cmd.append("--single-process")
+        rpc = tempfile.mkdtemp(prefix="vllm-rpc-")   # zmq ipc paths must stay short
+        env = {**engine_env(tmp, spec.name, rpc, spec.core), **(spec.env or {})}
+        try:
+            return Engine(LineChild(cmd, timeout_s=START_S, env=env), tmp / f"{spec.name}.log",
+                          rpc)
+        except BaseException:
+            shutil.rmtree(rpc, ignore_errors=True)
+            raise
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(start, s) for s in specs]
+    started = [f.result() for f in futures if f.exception() is None]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        close_engines(started)
+        raise errors[0]
+    return started
+
+
+def close_engines(engines: Sequence[Engine]) -> None:
+    """:meth:`Engine.close` the engines, all at once."""
+    with ThreadPoolExecutor(max(1, len(engines))) as pool:
+        list(pool.map(lambda e: e.close(), engines))
+
+
+@contextlib.contextmanager
+def engines_running(model: str, tmp: Path, specs: Sequence[EngineSpec]) -> Iterator[list[Engine]]:
+    """:func:`start_engines`, closed on leaving the block."""
+    engines = start_engines(model, tmp, specs)
+    try:
+        yield engines
+    finally:
+        close_engines(engines)
+
+
 def same_answer(got: dict, want: dict) -> None:
+    """Equal greedy tokens, and logprobs within float noise."""
     assert got["tokens"] == want["tokens"]
+    assert len(got["logprobs"]) == len(want["logprobs"]) == len(got["tokens"])
     assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) < 1e-4

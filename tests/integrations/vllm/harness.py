@@ -39,8 +39,10 @@ def store_config(address: str, **extra: Any) -> dict[str, Any]:
             "rpc_timeout_s": 2.0, "transfer_timeout_s": 5.0, **extra}
 
 
-def slot_value(token: int, position: int) -> float:
-    return float(token * 4096 + position + 1)
+def slot_value(token: int, position: int, layer: int) -> float:
+    """What "computing" ``token`` at ``position`` writes into layer ``layer``'s KV (exact
+    in float32, distinct per layer, so a layer's bytes in another layer show)."""
+    return float((token * 4096 + position + 1) * (layer + 1))
 
 
 class MiniEngine:
@@ -131,15 +133,17 @@ class MiniEngine:
                    if r.kv_connector_stats is not None)
 
     def _compute(self, out: Any) -> None:
-        """Write the scheduled tokens' KV values (as a forward pass would)."""
-        for rid, n in out.num_scheduled_tokens.items():
-            req = self.scheduler.requests[rid]
-            ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-            tokens = req.all_token_ids
-            end = req.num_computed_tokens   # schedule() already counted this step's tokens
-            for p in range(end - n, end):
-                for t in self.kv.values():
-                    t[ids[p // BLOCK], 0, p % BLOCK, :] = slot_value(tokens[p], p)
+        """Write the scheduled tokens' KV values layer by layer, each layer after waiting
+        for its loads (as a forward pass's attention layers do)."""
+        for layer, (name, t) in enumerate(self.kv.items()):
+            self.worker.wait_for_layer_load(name)
+            for rid, n in out.num_scheduled_tokens.items():
+                req = self.scheduler.requests[rid]
+                ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+                tokens = req.all_token_ids
+                end = req.num_computed_tokens   # schedule() already counted this step's tokens
+                for p in range(end - n, end):
+                    t[ids[p // BLOCK], 0, p % BLOCK, :] = slot_value(tokens[p], p, layer)
 
     def run(self, timeout_s: float = 30.0) -> None:
         """Step until no request is left (finished requests' blocks freed too); a step
@@ -152,11 +156,18 @@ class MiniEngine:
             if not self.step().num_scheduled_tokens:
                 time.sleep(0.005)
 
-    def block_ok(self, block_id: int, tokens: list[int], first_pos: int) -> bool:
-        """Whether the block holds the values computing ``tokens`` at ``first_pos`` gives."""
-        want = torch.tensor([slot_value(t, first_pos + i) for i, t in enumerate(tokens)])
-        return all(torch.equal(t[block_id, 0, :, 0], want) and torch.equal(t[block_id, 0, :, 1], want)
-                   for t in self.kv.values())
+    def block_ok(self, block_id: int, tokens: list[int], first_pos: int,
+                 layers: list[str] | None = None) -> bool:
+        """Whether the block holds the values computing ``tokens`` at ``first_pos`` gives
+        (in ``layers``, default all)."""
+        def holds(layer: int, t: torch.Tensor) -> bool:
+            want = torch.tensor([slot_value(tok, first_pos + i, layer)
+                                 for i, tok in enumerate(tokens)])
+            k, v = t[block_id, 0, :, 0], t[block_id, 0, :, 1]
+            return torch.equal(k, want) and torch.equal(v, want)
+
+        return all(holds(layer, t) for layer, (name, t) in enumerate(self.kv.items())
+                   if layers is None or name in layers)
 
     def close(self) -> None:
         self.worker.shutdown()

@@ -4,12 +4,11 @@ its own process, and the example proxy's routing function between them.
 The decode side's greedy tokens and logprobs must equal a single engine's (``run_llm.py``
 without a connector); a prefill killed before the transfer must leave the decode able
 to answer by computing the prompt itself. Two engines share this 2-core machine: each
-is bound to its own core, the decode starts first.
+is bound to its own core, and they start side by side.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -20,33 +19,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from engines import PROMPT_LEN   # 5 full blocks of 128 and 1 token: 6 blocks move
-from helpers import LineChild
+from engines import PROMPT_LEN, SAMPLING, Engine, EngineSpec, engines_running, same_answer
 from run_llm import prompt_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 from vllm_pd_proxy import disaggregated_generate, prefill_request  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-MAX_TOKENS = 8
-SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1,
-            "detokenize": False, "ignore_eos": True}
 BLOCK_NBYTES = 2 * 2 * 64 * 2 * 128 * 4   # layers x kv heads x head dim x K,V x 128 x fp32
-START_S = 240
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@dataclass
-class Engine:
-    child: LineChild
-    log: Path
-
-    def generate(self, prompt: list[int], sampling: dict[str, Any],
-                 kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-        line = json.dumps({"prompt": prompt, "sampling": sampling,
-                           "kv_transfer_params": kv_transfer_params})
-        return json.loads(self.child.ask(line, timeout_s=120))
 
 
 @dataclass
@@ -56,45 +37,19 @@ class Setup:
     decode: Engine
 
 
-def _env(tmp: Path, name: str, core: str) -> dict[str, str]:
-    log = tmp / f"{name}.log"
-    config = tmp / f"{name}-logging.json"
-    handler = {"class": "logging.FileHandler", "filename": str(log), "formatter": "plain"}
-    config.write_text(json.dumps({
-        "version": 1, "disable_existing_loggers": False,
-        "formatters": {"plain": {"format": "%(asctime)s %(process)d %(name)s "
-                                           "%(levelname)s %(message)s"}},
-        "handlers": {"file": handler},
-        "loggers": {n: {"handlers": ["file"], "level": "INFO", "propagate": False}
-                    for n in ("vllm", "mooncake_vllm", "mooncake_plugins")}}))
-    rpc = tmp / f"{name}-rpc"
-    rpc.mkdir()
-    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": core, "VLLM_RPC_BASE_PATH": str(rpc),
-            "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_LOGGING_CONFIG_PATH": str(config)}
-
-
-def _start(model: str, tmp: Path, name: str, core: str, role: str) -> Engine:
-    kv = {"kv_connector": "MooncakePluginsPDConnector", "kv_role": role,
-          "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"pull_wait_s": 20, "transfer_timeout_s": 20}}
-    env = _env(tmp, name, core)
-    child = LineChild([sys.executable, str(HERE / "run_pd.py"), model,
-                       "--kv-config", json.dumps(kv)], timeout_s=START_S, env=env)
-    return Engine(child, tmp / f"{name}.log")
+def _spec(name: str, core: str, role: str) -> EngineSpec:
+    return EngineSpec(name, {"kv_connector": "MooncakePluginsPDConnector", "kv_role": role,
+                             "kv_load_failure_policy": "recompute",
+                             "kv_connector_extra_config": {"pull_wait_s": 20,
+                                                           "transfer_timeout_s": 20}}, core)
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_llama, baseline, tmp_path_factory) -> Iterator[Setup]:
-    tmp = tmp_path_factory.mktemp("pd-engines")
-    engines: list[Engine] = []
-    try:
-        engines.append(_start(tiny_llama, tmp, "decode", "1", "kv_consumer"))
-        engines.append(_start(tiny_llama, tmp, "prefill", "0", "kv_producer"))
-        yield Setup(baseline, engines[1], engines[0])
-    finally:
-        for e in engines:
-            e.child.close()
+    specs = [_spec("decode", "1", "kv_consumer"), _spec("prefill", "0", "kv_producer")]
+    with engines_running(tiny_llama, tmp_path_factory.mktemp("pd-engines"),
+                         specs) as (decode, prefill):
+        yield Setup(baseline, prefill, decode)
 
 
 def _shm_inodes_of_group(pgid: int) -> set[int]:
@@ -130,17 +85,11 @@ def _kill(proc: subprocess.Popen) -> None:
             pass
 
 
-def _same_as_baseline(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got["tokens"] == want["tokens"]
-    assert len(got["logprobs"]) == MAX_TOKENS
-    assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) < 1e-4
-
-
 def test_decode_generates_from_the_prefills_kv(setup):
     prompt = prompt_tokens(PROMPT_LEN, 0)
     got = disaggregated_generate(setup.prefill.generate, setup.decode.generate, prompt,
                                  SAMPLING)
-    _same_as_baseline(got, setup.baseline[0])
+    same_answer(got, setup.baseline[0])
     assert got["num_cached_tokens"] == PROMPT_LEN, "the transferred prompt counts as cached"
     sent = re.findall(r"wrote (\d+) blocks \((\d+) bytes\)", setup.prefill.log.read_text())
     received = re.findall(r"received (\d+) blocks \((\d+) bytes\)",
@@ -154,6 +103,6 @@ def test_a_prefill_killed_before_the_transfer_leaves_decode_computing(setup):
     assert params is not None and params["do_remote_prefill"]
     _kill(setup.prefill.child.proc)
     got = setup.decode.generate(prompt, SAMPLING, params)
-    _same_as_baseline(got, setup.baseline[1])
+    same_answer(got, setup.baseline[1])
     assert "not received" in setup.decode.log.read_text()
     assert got["num_cached_tokens"] == 0, "nothing was received: all of it was computed"

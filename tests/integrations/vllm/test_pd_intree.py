@@ -9,17 +9,16 @@ its docstring); the connector itself runs as shipped.
 
 from __future__ import annotations
 
-import json
-import sys
+import os
 import uuid
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-from helpers import LineChild, free_port
+from engines import (MAX_TOKENS, PROMPT_LEN, SAMPLING, Engine, EngineSpec, engines_running,
+                     same_answer)
+from helpers import free_port
 from run_llm import prompt_tokens
-from test_pd_engine import (MAX_TOKENS, PROMPT_LEN, SAMPLING, START_S, Engine, _env,
-                            _same_as_baseline)
 
 HERE = Path(__file__).resolve().parent
 PREFILL_ENGINE_ID = "intree-prefill"
@@ -27,31 +26,23 @@ PREFILL_ENGINE_ID = "intree-prefill"
 pytestmark = pytest.mark.timeout(600)
 
 
-def _start(model: str, tmp: Path, name: str, core: str, role: str, bootstrap: int) -> Engine:
+def _spec(name: str, core: str, role: str, bootstrap: int) -> EngineSpec:
     kv = {"kv_connector": "MooncakeConnector", "kv_role": role,
           "kv_load_failure_policy": "recompute", "engine_id": f"intree-{name}",
           "kv_connector_extra_config": {"mooncake_protocol": "tcp", "num_workers": 2}}
-    env = _env(tmp, name, core)
-    env["PYTHONPATH"] = ":".join(filter(None, [str(HERE / "cpu_accelerator"),
-                                               env.get("PYTHONPATH", "")]))
-    env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap)
-    child = LineChild([sys.executable, str(HERE / "run_pd.py"), model,
-                       "--kv-config", json.dumps(kv)], timeout_s=START_S, env=env)
-    return Engine(child, tmp / f"{name}.log")
+    path = ":".join(filter(None, [str(HERE / "cpu_accelerator"), os.environ.get("PYTHONPATH")]))
+    return EngineSpec(name, kv, core, {"PYTHONPATH": path,
+                                       "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)})
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama, tmp_path_factory) -> Iterator[tuple[Engine, Engine, int]]:
-    tmp = tmp_path_factory.mktemp("pd-intree")
     bootstrap = free_port()
-    started: list[Engine] = []
-    try:
-        started.append(_start(tiny_llama, tmp, "decode", "1", "kv_consumer", bootstrap))
-        started.append(_start(tiny_llama, tmp, "prefill", "0", "kv_producer", bootstrap))
-        yield started[1], started[0], bootstrap
-    finally:
-        for e in started:
-            e.child.close()
+    specs = [_spec("decode", "1", "kv_consumer", bootstrap),
+             _spec("prefill", "0", "kv_producer", bootstrap)]
+    with engines_running(tiny_llama, tmp_path_factory.mktemp("pd-intree"),
+                         specs) as (decode, prefill):
+        yield prefill, decode, bootstrap
 
 
 def test_intree_pd_connector_runs_on_the_drop_in(engines, baseline):
@@ -63,6 +54,6 @@ def test_intree_pd_connector_runs_on_the_drop_in(engines, baseline):
     got = decode.generate(prompt, SAMPLING, {
         "do_remote_prefill": True, "remote_engine_id": PREFILL_ENGINE_ID,
         "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}", "transfer_id": transfer_id})
-    _same_as_baseline(got, baseline[0])
+    same_answer(got, baseline[0])
     assert got["num_cached_tokens"] >= PROMPT_LEN - 128, "the prompt's KV came from the prefill"
     assert len(got["tokens"]) == MAX_TOKENS

@@ -7,11 +7,14 @@ Each "engine" is vLLM's scheduler plus our worker-side connector over a CPU KV c
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 from harness import BLOCK, MiniEngine, store_config
 from vllm.v1.request import RequestStatus
 
+from mooncake_plugins.errors import StoreTransferFailed
 from mooncake_plugins.store.client import StoreClient
 
 PROMPT = [(i * 37) % 1000 + 3 for i in range(100)]   # 6 full blocks and 4 tokens
@@ -165,3 +168,100 @@ def test_blocks_lost_after_lookup_are_recomputed(store, engines, caplog):
     for i, block in enumerate(load.block_ids):
         assert b.block_ok(block, PROMPT[i * BLOCK:(i + 1) * BLOCK], i * BLOCK), \
             "recomputed blocks hold the computed values"
+
+
+def _loading_engine(store, engines):
+    """Engine "a" saved PROMPT; a fresh engine "b" is about to load its 6 blocks."""
+    a = engines(store_config(store.address))
+    a.add("a", PROMPT)
+    a.run()
+    b = engines(store_config(store.address))
+    worker = b.worker._worker
+    return b, worker, worker._client()
+
+
+def test_layers_are_waited_for_one_by_one_and_a_failed_layer_fails_only_its_blocks(
+        store, engines):
+    b, worker, client = _loading_engine(store, engines)
+    layer_nbytes = worker._layout.layer_nbytes
+    calls = {"locate": 0, "reads": []}
+    layer1_may_read = threading.Event()
+    real_locate, real_reads = client.locate, client.batch_get_ranges_into
+
+    def locate(keys):
+        calls["locate"] += 1
+        return real_locate(keys)
+
+    def reads(located, ranges):
+        layer = ranges[0][1] // layer_nbytes
+        calls["reads"].append(layer)
+        if layer == 0:   # slow: waiting for layer 0 must really wait
+            time.sleep(0.3)
+        if layer == 1:   # held back until the forward pass has computed layer 0
+            assert layer1_may_read.wait(10)
+        got = real_reads(located, ranges)
+        if layer == 1:   # a transport error on blocks 1 and 4 of the load, this layer only
+            got = [StoreTransferFailed("injected") if j in (1, 4) else r
+                   for (j, _, _), r in zip(ranges, got)]
+        return got
+
+    layer1_read_pending = []
+    landed = {}          # layer -> its loaded bytes were in place when its wait returned
+    real_wait = worker.wait_for_layer_load
+
+    def wait_for_layer_load(name):
+        if name == "layer.1":
+            layer1_read_pending.append(not layer1_may_read.is_set())
+            layer1_may_read.set()
+        real_wait(name)
+        if not b.metas[-1].loads:
+            return
+        (job,) = b.metas[-1].loads
+        landed[name] = all(b.block_ok(block, PROMPT[i * BLOCK:(i + 1) * BLOCK], i * BLOCK,
+                                      [name])
+                           for i, block in enumerate(job.block_ids)
+                           if name == "layer.0" or i not in (1, 4))
+
+    client.locate, client.batch_get_ranges_into = locate, reads
+    worker.wait_for_layer_load = wait_for_layer_load
+    b.add("b", PROMPT)
+    b.step()
+    assert layer1_read_pending == [True], "layer 0 was computed while layer 1 was being read"
+    assert landed == {"layer.0": True, "layer.1": True}, "each wait ends when its layer is in"
+    assert calls == {"locate": 1, "reads": [0, 1]}, "one lookup, then one read per layer"
+    (load,) = b.metas[0].loads
+    bad = {load.block_ids[1], load.block_ids[4]}
+    assert b.outputs[0].kv_connector_output.invalid_block_ids == bad
+    assert b.stat("blocks_loaded") == 4 and b.stat("load_errors") == 2
+    for i, block in enumerate(load.block_ids):
+        if block not in bad:
+            assert b.block_ok(block, PROMPT[i * BLOCK:(i + 1) * BLOCK], i * BLOCK)
+    b.run()
+    for i, block in enumerate(load.block_ids):
+        assert b.block_ok(block, PROMPT[i * BLOCK:(i + 1) * BLOCK], i * BLOCK), \
+            "failed blocks are recomputed (all their layers)"
+
+
+@pytest.mark.master_flags("--default_kv_lease_ttl", "300")
+def test_a_lease_that_runs_out_between_layers_fails_every_block_of_the_load(
+        store, engines, caplog):
+    b, worker, client = _loading_engine(store, engines)
+    layer_nbytes = worker._layout.layer_nbytes
+    real_reads = client.batch_get_ranges_into
+
+    def slow_reads(located, ranges):
+        if ranges[0][1] // layer_nbytes == 1:
+            time.sleep(0.5)   # layer 1 is read after the objects' read lease ran out
+        return real_reads(located, ranges)
+
+    client.batch_get_ranges_into = slow_reads
+    with caplog.at_level(logging.WARNING):
+        b.add("b", PROMPT)
+        b.step()
+        b.run()
+    (load,) = b.metas[0].loads
+    assert b.outputs[0].kv_connector_output.invalid_block_ids == set(load.block_ids)
+    assert "outlived its lease" in caplog.text and "not loaded" in caplog.text
+    assert b.stat("blocks_loaded") == 0
+    for i, block in enumerate(load.block_ids):
+        assert b.block_ok(block, PROMPT[i * BLOCK:(i + 1) * BLOCK], i * BLOCK)
