@@ -215,7 +215,11 @@ def _resources() -> Counter[str]:
         elif link.startswith("socket:"):
             held["socket"] += 1
     for name in os.listdir("/dev/shm"):
-        held[f"/dev/shm/{name}"] += 1
+        # torch's shared-memory manager (psm_*) and multiprocessing's semaphores (sem.mp-*)
+        # belong to whatever else runs on the machine (a vLLM engine of another suite run
+        # at the same time); nothing of ours creates them
+        if not name.startswith(("psm_", "sem.mp-")):
+            held[f"/dev/shm/{name}"] += 1
     for t in threading.enumerate():
         if t.name.startswith("mc-"):
             held[f"thread {t.name.rstrip('0123456789_-')}"] += 1
