@@ -172,6 +172,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.lease_floor: dict[str, float] = {}    # ... and surely lasts until then
         self.kill_allowed = False
         self.evicted = 0
+        # put rules run since the last kill: a precondition may read only what the drawn
+        # steps decide (not their outcomes), or Hypothesis cannot replay a run
+        self.puts_since_kill = 0
 
     # -- helpers ------------------------------------------------------------------------
     def _stats(self) -> dict:
@@ -223,6 +226,7 @@ class StoreMachine(RuleBasedStateMachine):
     def _put_many(self, client: StoreClient, items: list[tuple[str, bytes]], values: list[Any],
                   replica_num: int, pin: bool) -> None:
         """batch_put ``values`` under the keys of ``items`` and check each outcome."""
+        self.puts_since_kill += 1
         errors = client.batch_put([k for k, _ in items], values,
                                   ReplicateConfig(replica_num=replica_num, with_soft_pin=pin))
         ended = time.monotonic()
@@ -436,9 +440,10 @@ class StoreMachine(RuleBasedStateMachine):
             call()
 
     @precondition(lambda self: self.kill_allowed and self.cluster.holder is not None
-                  and len(self.model) >= 3)
+                  and self.puts_since_kill >= 3)
     @rule()
     def kill_holder(self) -> None:
+        self.puts_since_kill = 0
         keys_ = sorted(self.model)
         placed = self.cluster.clients[2].replicas(keys_) if keys_ else []
         self._lease(keys_)
