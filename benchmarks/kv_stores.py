@@ -13,14 +13,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from compat_bench import start_master  # noqa: E402
 from store_bench import free_port, spawn, stop_all, wait_port  # noqa: E402
+from transfer_bench import log  # noqa: E402
 from vllm_bench import ORIG_MODULES  # noqa: E402
 
 QUIET = {"GLOG_minloglevel": "2", "MC_LOG_LEVEL": "ERROR", "LMCACHE_LOG_LEVEL": "WARNING"}
@@ -201,3 +203,43 @@ class RoomWaiter:
 
     def close(self) -> None:
         self.client.close()
+
+
+def cold_then_warm(variant: str, a: Any, worker: Callable[[str, int], dict], write: str,
+                   probe: str) -> dict:
+    """``a.cold_rounds`` cold worker runs (fresh servers and keys each), then one warm run,
+    summed up by :func:`summarize`."""
+    cold = []
+    for i in range(a.cold_rounds):
+        log(f"{variant}: cold round {i + 1}/{a.cold_rounds}")
+        cold.append(worker("cold", 100 + i))
+    log(f"{variant}: warm ({a.warmup} + {a.rounds} rounds)")
+    return summarize(cold, worker("warm", 1), write, probe, a.batch)
+
+
+def chosen_variants(ap: Any, a: Any, variants: tuple[str, ...]) -> list[str]:
+    """``a.variants`` as a list, after checking it and the sizes (argparse errors)."""
+    chosen = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = sorted(set(chosen) - set(variants))
+    if unknown or min(a.layers, a.batch, a.rounds, a.cold_rounds) < 1 or a.warmup < 0:
+        ap.error(f"unknown variants {unknown}" if unknown else "sizes must be >= 1")
+    return chosen
+
+
+def worker_main(make: Callable[[Any], Any], a: Any) -> None:
+    """A worker process's body: run ``make(a)``'s cold or warm phase, print its figures as
+    one JSON line, and exit without waiting for the frameworks' threads."""
+    try:
+        w = make(a)
+        try:
+            out: dict[str, Any] = w.cold() if a.phase == "cold" else w.warm()
+        finally:
+            w.close()
+        if a.variant == "intree":
+            import mooncake.store
+            out["mooncake_store"] = mooncake.store.__file__  # which package served it
+        print(json.dumps(out), flush=True)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)  # the original's threads can hang interpreter shutdown

@@ -25,12 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import os
 import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable, Iterator
 
 import torch
@@ -41,7 +38,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend import CreateStorageBackends
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
-from kv_stores import RoomWaiter
+from kv_stores import RoomWaiter, worker_main
 
 CHUNK_TOKENS = 256
 KV_HEADS, HEAD_DIM = 32, 128  # Llama-2-7B
@@ -279,21 +276,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--pool-gb", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1)
-    a = ap.parse_args()
-    try:
-        w = Worker(a)
-        try:
-            out: dict[str, Any] = w.cold() if a.phase == "cold" else w.warm()
-        finally:
-            w.close()
-        if a.variant == "intree":
-            import mooncake.store
-            out["mooncake_store"] = mooncake.store.__file__  # which package served it
-        print(json.dumps(out), flush=True)
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-    os._exit(0)  # the original's threads can hang interpreter shutdown
+    worker_main(Worker, ap.parse_args())
 
 
 if __name__ == "__main__":

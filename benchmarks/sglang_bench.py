@@ -46,8 +46,8 @@ from typing import Iterator
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from kv_stores import (load_average, mooncake_store, run_worker, summarize,  # noqa: E402
-                       tables)
+from kv_stores import (chosen_variants, cold_then_warm, load_average, mooncake_store,  # noqa: E402
+                       run_worker, tables)
 from transfer_bench import ensure_original, log, write_results  # noqa: E402
 from vllm_bench import ensure_original_modules  # noqa: E402
 
@@ -86,12 +86,7 @@ def bench(variant: str, a: argparse.Namespace, orig_py: Path | None) -> dict:
                    str(a.warmup), "--seed", str(seed)]
             return run_worker(cmd, env, f"{variant} {phase} worker")
 
-    cold = []
-    for i in range(a.cold_rounds):
-        log(f"{variant}: cold round {i + 1}/{a.cold_rounds}")
-        cold.append(worker("cold", 100 + i))
-    log(f"{variant}: warm ({a.warmup} + {a.rounds} rounds)")
-    return summarize(cold, worker("warm", 1), "set", "exists", a.batch)
+    return cold_then_warm(variant, a, worker, "set", "exists")
 
 
 def main() -> None:
@@ -110,10 +105,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         a.layers, a.batch, a.rounds, a.warmup, a.cold_rounds = 8, 8, 4, 1, 1
-    chosen = [v.strip() for v in a.variants.split(",") if v.strip()]
-    unknown = sorted(set(chosen) - set(VARIANTS))
-    if unknown or min(a.layers, a.batch, a.rounds, a.cold_rounds) < 1 or a.warmup < 0:
-        ap.error(f"unknown variants {unknown}" if unknown else "sizes must be >= 1")
+    chosen = chosen_variants(ap, a, VARIANTS)
     size = page_bytes(a.layers)
     # room for 8 batches: ours reuses a removed page's space once its 5 s read lease ended
     a.segment = max(1 << 30, 8 * a.batch * size)

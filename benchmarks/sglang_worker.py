@@ -21,11 +21,8 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,7 +39,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from kv_stores import RoomWaiter  # noqa: E402
+from kv_stores import RoomWaiter, worker_main  # noqa: E402
 
 PAGE = 64
 KV_HEADS, HEAD_DIM = 32, 128  # Llama-2-7B
@@ -226,21 +223,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
-    a = ap.parse_args()
-    try:
-        w = Worker(a)
-        try:
-            out: dict[str, Any] = w.cold() if a.phase == "cold" else w.warm()
-        finally:
-            w.close()
-        if a.variant == "intree":
-            import mooncake.store
-            out["mooncake_store"] = mooncake.store.__file__  # which package served it
-        print(json.dumps(out), flush=True)
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-    os._exit(0)  # the original's threads can hang interpreter shutdown
+    worker_main(Worker, ap.parse_args())
 
 
 if __name__ == "__main__":
