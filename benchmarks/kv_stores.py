@@ -4,6 +4,7 @@ fresh and stopped on exit, and how a worker process is run and its figures summe
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -243,3 +244,56 @@ def worker_main(make: Callable[[Any], Any], a: Any) -> None:
         traceback.print_exc()
         os._exit(1)
     os._exit(0)  # the original's threads can hang interpreter shutdown
+
+
+def driver_parser(doc: str | None, out: str, layers_help: str, batch: int, batch_help: str,
+                  quick_batch: int, quick_help: str, variants: tuple[str, ...]
+                  ) -> argparse.ArgumentParser:
+    """The options both benchmark drivers take (sizes, rounds, variants, --quick, --out)."""
+    ap = argparse.ArgumentParser(description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32, help=layers_help)
+    ap.add_argument("--batch", type=int, default=batch, help=batch_help)
+    ap.add_argument("--rounds", type=int, default=16, help="timed warm rounds")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cold-rounds", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(variants),
+                    help=f"comma-separated, of: {', '.join(variants)}")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--out", default=out)
+    ap.set_defaults(quick_batch=quick_batch)
+    return ap
+
+
+def parse_driver(ap: argparse.ArgumentParser, variants: tuple[str, ...]
+                 ) -> tuple[argparse.Namespace, list[str]]:
+    """Parsed options (``--quick`` applied) and the chosen variants, checked."""
+    a = ap.parse_args()
+    if a.quick:
+        a.layers, a.batch, a.rounds, a.warmup, a.cold_rounds = 8, a.quick_batch, 4, 1, 1
+    return a, chosen_variants(ap, a, variants)
+
+
+def worker_command(worker: str, args: list[str], phase: str, seed: int,
+                   a: argparse.Namespace) -> list[str]:
+    """A worker process's command line: ``args`` (servers) plus the driver's sizes."""
+    return [sys.executable, worker, *args, "--phase", phase, "--layers", str(a.layers),
+            "--batch", str(a.batch), "--rounds", str(a.rounds), "--warmup", str(a.warmup),
+            "--seed", str(seed)]
+
+
+def worker_parser(variants: tuple[str, ...], batch: int) -> argparse.ArgumentParser:
+    """The options every worker takes (what :func:`worker_command` passes)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", choices=variants, required=True)
+    ap.add_argument("--phase", choices=["cold", "warm"], required=True)
+    ap.add_argument("--master", default="")
+    ap.add_argument("--metadata", default="P2PHANDSHAKE")
+    ap.add_argument("--room-master", default="",
+                    help="our master: wait between rounds until it has room for a batch")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    return ap

@@ -42,8 +42,8 @@ from typing import Iterator
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from kv_stores import (chosen_variants, cold_then_warm, load_average, mooncake_store,  # noqa: E402
-                       redis_server, run_worker, tables)
+from kv_stores import (cold_then_warm, driver_parser, load_average, mooncake_store,  # noqa: E402
+                       parse_driver, redis_server, run_worker, tables, worker_command)
 from transfer_bench import ensure_original, log, write_results  # noqa: E402
 from vllm_bench import ensure_original_modules  # noqa: E402
 
@@ -73,31 +73,19 @@ def servers(variant: str, a: argparse.Namespace, orig_py: Path | None
 def bench(variant: str, a: argparse.Namespace, orig_py: Path | None) -> dict:
     def worker(phase: str, seed: int) -> dict:
         with servers(variant, a, orig_py) as (args, env):
-            cmd = [sys.executable, WORKER, *args, "--phase", phase, "--layers", str(a.layers),
-                   "--batch", str(a.batch), "--rounds", str(a.rounds), "--warmup",
-                   str(a.warmup), "--pool-gb", f"{a.pool_gb:.2f}", "--seed", str(seed)]
+            cmd = worker_command(WORKER, args, phase, seed, a) + ["--pool-gb", f"{a.pool_gb:.2f}"]
             return run_worker(cmd, env, f"{variant} {phase} worker")
 
     return cold_then_warm(variant, a, worker, "put", "contains")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=32, help="32: Llama-2-7B, 128 MiB chunks")
-    ap.add_argument("--batch", type=int, default=4, help="chunks per call (4: 1024 tokens)")
-    ap.add_argument("--rounds", type=int, default=16, help="timed warm rounds")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--cold-rounds", type=int, default=3)
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma-separated, of: {', '.join(VARIANTS)}")
-    ap.add_argument("--quick", action="store_true",
-                    help="8 layers (32 MiB chunks), 2 chunks per call, 4 rounds, 1 cold round")
-    ap.add_argument("--out", default=str(HERE / "results" / "lmcache_bench.json"))
-    a = ap.parse_args()
-    if a.quick:
-        a.layers, a.batch, a.rounds, a.warmup, a.cold_rounds = 8, 2, 4, 1, 1
-    chosen = chosen_variants(ap, a, VARIANTS)
+    ap = driver_parser(__doc__, str(HERE / "results" / "lmcache_bench.json"),
+                       "32: Llama-2-7B, 128 MiB chunks", 4,
+                       "chunks per call (4: 1024 tokens)", 2,
+                       "8 layers (32 MiB chunks), 2 chunks per call, 4 rounds, 1 cold round",
+                       VARIANTS)
+    a, chosen = parse_driver(ap, VARIANTS)
     size = chunk_bytes(a.layers)
     # LMCache's pool holds the batch written and the batch read. The store's segment
     # has room for 8 batches: ours reuses a removed chunk's space only once its 5 s read

@@ -38,7 +38,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend import CreateStorageBackends
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
-from kv_stores import RoomWaiter, worker_main
+from kv_stores import RoomWaiter, worker_main, worker_parser
 
 CHUNK_TOKENS = 256
 KV_HEADS, HEAD_DIM = 32, 128  # Llama-2-7B
@@ -262,20 +262,9 @@ class Worker:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", choices=VARIANTS, required=True)
-    ap.add_argument("--phase", choices=["cold", "warm"], required=True)
-    ap.add_argument("--master", default="")
-    ap.add_argument("--metadata", default="P2PHANDSHAKE")
+    ap = worker_parser(VARIANTS, batch=4)
     ap.add_argument("--redis-url", default="")
-    ap.add_argument("--room-master", default="",
-                    help="our master: wait between rounds until it has room for a batch")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--pool-gb", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=1)
     worker_main(Worker, ap.parse_args())
 
 

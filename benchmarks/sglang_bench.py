@@ -46,8 +46,8 @@ from typing import Iterator
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from kv_stores import (chosen_variants, cold_then_warm, load_average, mooncake_store,  # noqa: E402
-                       run_worker, tables)
+from kv_stores import (cold_then_warm, driver_parser, load_average, mooncake_store,  # noqa: E402
+                       parse_driver, run_worker, tables, worker_command)
 from transfer_bench import ensure_original, log, write_results  # noqa: E402
 from vllm_bench import ensure_original_modules  # noqa: E402
 
@@ -81,31 +81,19 @@ def servers(variant: str, a: argparse.Namespace, orig_py: Path | None
 def bench(variant: str, a: argparse.Namespace, orig_py: Path | None) -> dict:
     def worker(phase: str, seed: int) -> dict:
         with servers(variant, a, orig_py) as (args, env):
-            cmd = [sys.executable, WORKER, *args, "--phase", phase, "--layers", str(a.layers),
-                   "--batch", str(a.batch), "--rounds", str(a.rounds), "--warmup",
-                   str(a.warmup), "--seed", str(seed)]
+            cmd = worker_command(WORKER, args, phase, seed, a)
             return run_worker(cmd, env, f"{variant} {phase} worker")
 
     return cold_then_warm(variant, a, worker, "set", "exists")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=32, help="32: Llama-2-7B, 32 MiB pages")
-    ap.add_argument("--batch", type=int, default=16, help="pages per call (16: 1024 tokens)")
-    ap.add_argument("--rounds", type=int, default=16, help="timed warm rounds")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--cold-rounds", type=int, default=3)
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma-separated, of: {', '.join(VARIANTS)}")
-    ap.add_argument("--quick", action="store_true",
-                    help="8 layers (8 MiB pages), 8 pages per call, 4 rounds, 1 cold round")
-    ap.add_argument("--out", default=str(HERE / "results" / "sglang_bench.json"))
-    a = ap.parse_args()
-    if a.quick:
-        a.layers, a.batch, a.rounds, a.warmup, a.cold_rounds = 8, 8, 4, 1, 1
-    chosen = chosen_variants(ap, a, VARIANTS)
+    ap = driver_parser(__doc__, str(HERE / "results" / "sglang_bench.json"),
+                       "32: Llama-2-7B, 32 MiB pages", 16,
+                       "pages per call (16: 1024 tokens)", 8,
+                       "8 layers (8 MiB pages), 8 pages per call, 4 rounds, 1 cold round",
+                       VARIANTS)
+    a, chosen = parse_driver(ap, VARIANTS)
     size = page_bytes(a.layers)
     # room for 8 batches: ours reuses a removed page's space once its 5 s read lease ended
     a.segment = max(1 << 30, 8 * a.batch * size)

@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from kv_stores import RoomWaiter, worker_main  # noqa: E402
+from kv_stores import RoomWaiter, worker_main, worker_parser  # noqa: E402
 
 PAGE = 64
 KV_HEADS, HEAD_DIM = 32, 128  # Llama-2-7B
@@ -210,19 +210,8 @@ class Worker:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", choices=VARIANTS, required=True)
-    ap.add_argument("--phase", choices=["cold", "warm"], required=True)
-    ap.add_argument("--master", default="")
-    ap.add_argument("--metadata", default="P2PHANDSHAKE")
+    ap = worker_parser(VARIANTS, batch=16)
     ap.add_argument("--file-dir", default="")
-    ap.add_argument("--room-master", default="",
-                    help="our master: wait between rounds until it has room for a batch")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1)
     worker_main(Worker, ap.parse_args())
 
 
