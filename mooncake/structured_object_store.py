@@ -80,14 +80,39 @@ def __getattr__(name: str) -> object:
     return getattr(importlib.import_module(_IMPL + module), attr)
 
 
-class _HookForwardingModule(types.ModuleType):
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _HOOKS:
-            module, attr = _LAZY[name]
-            setattr(importlib.import_module(_IMPL + module), attr, value)
-            return
-        super().__setattr__(name, value)
+def _hook_property(name: str) -> property:
+    """The hook ``name`` as a data descriptor of this module: reading and assigning it
+    reach the implementation's attribute, deleting it puts the implementation's own value
+    back, so tools that save and restore attributes (pytest's monkeypatch,
+    unittest.mock) leave the implementation as they found it."""
+    module, attr = _LAZY[name]
+    own: list[object] = []          # the implementation's value before the first assignment
 
+    def impl() -> types.ModuleType:
+        return importlib.import_module(_IMPL + module)
+
+    def get(_self: types.ModuleType) -> object:
+        return getattr(impl(), attr)
+
+    def put(_self: types.ModuleType, value: object) -> None:
+        if not own:
+            own.append(getattr(impl(), attr))
+        setattr(impl(), attr, value)
+
+    def reset(_self: types.ModuleType) -> None:
+        if own:
+            setattr(impl(), attr, own[0])
+
+    return property(get, put, reset, doc=f"hook: {_IMPL}{module}.{attr}")
+
+
+class _HookForwardingModule(types.ModuleType):
+    """This module's class: its hooks are properties that forward to the implementation."""
+
+
+for _hook in _HOOKS:
+    setattr(_HookForwardingModule, _hook, _hook_property(_hook))
+del _hook
 
 sys.modules[__name__].__class__ = _HookForwardingModule
 

@@ -211,3 +211,33 @@ def test_import_loads_neither_torch_nor_numpy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("hook, module, attr", [
+    ("_concat_arrays_into", "payloads", "concat_arrays_into"),
+    ("_has_tensor_codec_helpers", "tensor_codec", "has_tensor_codec"),
+])
+def test_hooks_patch_and_restore_the_implementation(hook, module, attr):
+    """The original's tests monkeypatch these hooks; every pytest and unittest.mock
+    version must set them in the implementation and put the original back."""
+    import importlib
+    from unittest import mock
+
+    import mooncake.structured_object_store as sos
+
+    impl = importlib.import_module(f"mooncake_plugins.store.structured.{module}")
+    original = getattr(impl, attr)
+    assert getattr(sos, hook) is original
+
+    def replacement():
+        return None
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sos, hook, replacement)
+        assert getattr(impl, attr) is replacement
+        assert getattr(sos, hook) is replacement
+    assert getattr(impl, attr) is original
+    with mock.patch.object(sos, hook, replacement):
+        assert getattr(impl, attr) is replacement
+    assert getattr(impl, attr) is original
+    assert getattr(sos, hook) is original
