@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,9 +38,9 @@ START_S = 240
 
 def run_engine(model: str, tmp_path: Path, name: str, kv: dict | None = None,
                env: dict | None = None, prompts: int = 1,
-               single_process: bool = False) -> tuple[list[dict], str]:
-    """One engine process over ``prompts`` distinct prompts of ``PROMPT_LEN`` tokens;
-    (one JSON result per prompt, the engine's log)."""
+               single_process: bool = False, tp: int = 1) -> tuple[list[dict], str]:
+    """One engine process over ``prompts`` distinct prompts of ``PROMPT_LEN`` tokens, with
+    ``tp`` tensor-parallel workers; (one JSON result per prompt, the engine's log)."""
     out, log = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
     rpc = tempfile.mkdtemp(prefix="vllm-rpc-")   # zmq ipc paths must stay short
     cmd = [sys.executable, RUN_LLM, model, str(out), "--prompt-len", str(PROMPT_LEN),
@@ -48,6 +49,8 @@ def run_engine(model: str, tmp_path: Path, name: str, kv: dict | None = None,
         cmd += ["--kv-config", json.dumps(kv)]
     if single_process:
         cmd.append("--single-process")
+    if tp > 1:
+        cmd += ["--tp", str(tp)]
     child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
                  "VLLM_RPC_BASE_PATH": rpc, **(env or {})}
     with open(log, "wb") as f:
@@ -84,6 +87,45 @@ def engine_env(tmp: Path, name: str, rpc: str, core: str | None = None) -> dict[
     return env
 
 
+def shm_inodes_of_group(pgid: int) -> set[int]:
+    """Inodes of the /dev/shm files the processes of group ``pgid`` map or hold open
+    (by inode: a POSIX semaphore is mapped under a temporary name, then renamed)."""
+    inodes: set[int] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                inodes |= {int(fields[4]) for fields in map(str.split, f)
+                           if len(fields) >= 6 and fields[5].startswith("/dev/shm/")}
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                    inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except (OSError, ValueError, IndexError):
+            continue
+    return inodes
+
+
+def remove_shm(inodes: set[int], prefix: str = "") -> None:
+    """Unlink the /dev/shm files named ``prefix*`` whose inode is in ``inodes``."""
+    for entry in os.scandir("/dev/shm"):
+        try:
+            if entry.name.startswith(prefix) and entry.inode() in inodes:
+                os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+
+
+def kill_engine(proc: subprocess.Popen) -> None:
+    """SIGKILL an engine's whole process group (a crash), then remove the shared memory
+    it left."""
+    inodes = shm_inodes_of_group(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    remove_shm(inodes)
+
+
 @dataclass
 class Engine:
     """A running ``serve_llm.py`` engine, its log file and its RPC directory."""
@@ -111,8 +153,11 @@ class Engine:
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Quit and wait for the engine's own shutdown (its connector finishes its saves
-        then), ending whatever is left of it after ``timeout_s``."""
+        then), ending whatever is left of it after ``timeout_s``. vLLM kills TP workers
+        that take over 5 s to exit (two engines closing at once on two cores can), and a
+        killed worker leaves its ``vllm_dist_*`` shared memory: that is removed too."""
         proc = self.child.proc
+        vllm_shm = shm_inodes_of_group(proc.pid) if proc.poll() is None else set()
         try:
             if proc.poll() is None:
                 proc.stdin.write(b"quit\n")
@@ -121,20 +166,23 @@ class Engine:
         except (OSError, subprocess.TimeoutExpired):
             pass
         self.child.close()
+        remove_shm(vllm_shm, "vllm_dist_")
         shutil.rmtree(self.rpc, ignore_errors=True)
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     """What to start: a name (for its log), a KV transfer config, the core of its compute
-    threads, env overrides, and whether its engine core and worker share one process
-    (vLLM's default is three processes: front end, engine core, worker)."""
+    threads (``"0|1"``: rank 0 on core 0, rank 1 on core 1), env overrides, whether its
+    engine core and worker share one process (vLLM's default is three processes: front
+    end, engine core, worker), and its tensor-parallel size."""
 
     name: str
     kv: dict[str, Any] | None = None
     core: str | None = None
     env: dict[str, str] | None = None
     single_process: bool = False
+    tp: int = 1
 
 
 def start_engines(model: str, tmp: Path, specs: Sequence[EngineSpec]) -> list[Engine]:
@@ -146,6 +194,8 @@ def start_engines(model: str, tmp: Path, specs: Sequence[EngineSpec]) -> list[En
             cmd += ["--kv-config", json.dumps(spec.kv)]
         if spec.single_process:
             cmd.append("--single-process")
+        if spec.tp > 1:
+            cmd += ["--tp", str(spec.tp)]
         rpc = tempfile.mkdtemp(prefix="vllm-rpc-")   # zmq ipc paths must stay short
         env = {**engine_env(tmp, spec.name, rpc, spec.core), **(spec.env or {})}
         try:

@@ -24,10 +24,14 @@ def prompt_tokens(n: int, seed: int = 0) -> list[int]:
     return [(i * 7919 + seed * 104729) % 1000 + 3 for i in range(n)]
 
 
-def build_llm(model: str, kv_config: str = "", single_process: bool = False) -> Any:
+def build_llm(model: str, kv_config: str = "", single_process: bool = False,
+              tp: int = 1) -> Any:
     """The tests' engine: greedy-comparable settings, ``kv_config`` (JSON) as its KV
     connector. ``single_process`` runs the engine core and the worker in this process
-    (one vLLM import instead of three: it starts in about half the time)."""
+    (one vLLM import instead of three: it starts in about half the time); ``tp`` > 1 runs
+    that many tensor-parallel workers, each a process of its own."""
+    if single_process and tp > 1:
+        raise ValueError("tensor parallelism needs a worker process per rank")
     if single_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
@@ -36,7 +40,7 @@ def build_llm(model: str, kv_config: str = "", single_process: bool = False) -> 
     kv = KVTransferConfig(**json.loads(kv_config)) if kv_config else None
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                max_model_len=2048, max_num_seqs=4, disable_hybrid_kv_cache_manager=True,
-               kv_transfer_config=kv, seed=0,
+               kv_transfer_config=kv, seed=0, tensor_parallel_size=tp,
                distributed_executor_backend="uni" if single_process else None)
 
 
@@ -52,9 +56,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="timed generate calls")
     ap.add_argument("--single-process", action="store_true",
                     help="engine core and worker in this process (quicker to start)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     args = ap.parse_args()
 
-    llm = build_llm(args.model, args.kv_config, args.single_process)
+    llm = build_llm(args.model, args.kv_config, args.single_process, args.tp)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

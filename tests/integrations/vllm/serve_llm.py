@@ -1,6 +1,6 @@
 """Host one vLLM engine (CPU), optionally with a KV connector, and answer line by line.
 
-    python serve_llm.py MODEL_DIR [--kv-config JSON] [--single-process]
+    python serve_llm.py MODEL_DIR [--kv-config JSON] [--single-process] [--tp N]
 
 Prints ``READY {}`` once the engine is up, then reads one JSON request per stdin line and
 answers each with one JSON line:
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--kv-config", default="", help="KVTransferConfig fields as JSON")
     ap.add_argument("--single-process", action="store_true",
                     help="engine core and worker in this process (quicker to start)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     args = ap.parse_args()
     # the protocol keeps fd 1 to itself; whatever else writes to stdout (e.g. the access
     # log of vLLM's in-tree Mooncake bootstrap server) goes to stderr
@@ -41,7 +42,7 @@ def main() -> None:
     from run_llm import build_llm
     from vllm_pd_proxy import llm_generate
 
-    llm = build_llm(args.model, args.kv_config, args.single_process)
+    llm = build_llm(args.model, args.kv_config, args.single_process, args.tp)
     generate = llm_generate(llm)
     print("READY {}", file=reply, flush=True)
     for line in sys.stdin:
