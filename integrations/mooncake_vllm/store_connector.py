@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 NAME = "MooncakePluginsStoreConnector"
@@ -80,3 +81,6 @@ class MooncakePluginsStoreConnector(SplitConnector):
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._scheduler.update_connector_output(connector_output)

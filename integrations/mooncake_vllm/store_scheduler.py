@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -32,11 +33,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BlockJob:
-    """Blocks of one request to move: ``block_hashes[i]`` lives in ``block_ids[i]``."""
+    """Blocks of one request to move: ``block_hashes[i]`` lives in ``block_ids[i]``.
+    A save with ``replace`` overwrites objects already in the store (blocks recomputed
+    after their stored copies failed to load)."""
 
     req_id: str
     block_hashes: list[str]
     block_ids: list[int]
+    replace: bool = False
 
 
 @dataclass
@@ -55,6 +59,7 @@ class _RequestState:
     hit: tuple[int, int] = (0, 0)         # (first block to load, blocks hit) of the lookup
     load: BlockJob | None = None          # to send with the next metadata
     saving: bool = False                  # a save went out: finishing waits for the worker
+    replace_until: int = 0                # saves of blocks before this overwrite the store's
 
 
 class StoreScheduler:
@@ -156,9 +161,28 @@ class StoreScheduler:
         if full <= st.stored:
             return
         block_ids = self._manager.get_block_ids(req_id)[0]
-        meta.saves.append(BlockJob(req_id, hashes[st.stored:full], list(block_ids[st.stored:full])))
+        meta.saves.append(BlockJob(req_id, hashes[st.stored:full], list(block_ids[st.stored:full]),
+                                   replace=st.stored < st.replace_until))
         st.stored = full
         st.saving = True
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """Blocks that failed to load are recomputed by vLLM (its requests' computed tokens
+        go back to the first such block): save them again once they are, replacing the
+        stored copies, which are listed but unreadable (a dead holder, a broken replica)
+        or gone."""
+        bad = output.invalid_block_ids
+        if not bad or not self._save or self._manager is None:
+            return
+        for req_id, st in self._reqs.items():
+            try:
+                block_ids = self._manager.get_block_ids(req_id)[0]
+            except (KeyError, IndexError):
+                continue
+            first = next((i for i, b in enumerate(block_ids[:st.stored]) if b in bad), None)
+            if first is not None:
+                st.replace_until = max(st.replace_until, st.stored)
+                st.stored = first
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -228,16 +228,20 @@ class StoreWorker:
         if client is None or layout is None:
             self._count(save_errors=n)
             return
-        keys = [k for j in jobs for k in self._keys.keys(j.block_hashes, self._rank)]
-        parts = [layout.block_pieces(b) for j in jobs for b in j.block_ids]
         config = ReplicateConfig(replica_num=self._settings.replica_num)
         t0 = time.perf_counter()
+        errors: list = []
         try:
-            errors = client.batch_put_from_parts(keys, parts, config)
+            for replace in (False, True):   # replacing saves overwrite what is stored
+                part = [j for j in jobs if j.replace == replace]
+                if part:
+                    keys = [k for j in part for k in self._keys.keys(j.block_hashes, self._rank)]
+                    pieces = [layout.block_pieces(b) for j in part for b in j.block_ids]
+                    errors += client.batch_put_from_parts(keys, pieces, config, upsert=replace)
         except MooncakeError as exc:
             log.warning("store connector (worker %d): saving %d block(s) failed: %s",
                         self._rank, n, exc)
-            self._count(save_errors=n)
+            self._count(save_errors=n - sum(e is None for e in errors))
             return
         bad = [e for e in errors if e is not None and not isinstance(e, ObjectAlreadyExists)]
         new = sum(e is None for e in errors)

@@ -24,6 +24,16 @@ def saved_blocks(engine: MiniEngine) -> list[int]:
     return [len(job.block_ids) for meta in engine.metas for job in meta.saves]
 
 
+def resaved(engine: MiniEngine) -> list[tuple[int, bool]]:
+    """Each save job's (blocks, whether it replaces stored copies)."""
+    return [(len(job.block_ids), job.replace) for meta in engine.metas for job in meta.saves]
+
+
+def objects(store) -> int:
+    with StoreClient(store.address, global_segment_size=0) as c:
+        return c.stats()["objects"]
+
+
 @pytest.fixture
 def engines(tiny_llama_config):
     made: list[MiniEngine] = []
@@ -168,6 +178,9 @@ def test_blocks_lost_after_lookup_are_recomputed(store, engines, caplog):
     for i, block in enumerate(load.block_ids):
         assert b.block_ok(block, PROMPT[i * BLOCK:(i + 1) * BLOCK], i * BLOCK), \
             "recomputed blocks hold the computed values"
+    # recomputed from block 0 (64 tokens a step), and saved back
+    assert resaved(b) == [(4, True), (2, True)]
+    assert b.stat("blocks_saved") == 6 and objects(store) == 6
 
 
 def _loading_engine(store, engines):
@@ -240,6 +253,10 @@ def test_layers_are_waited_for_one_by_one_and_a_failed_layer_fails_only_its_bloc
     for i, block in enumerate(load.block_ids):
         assert b.block_ok(block, PROMPT[i * BLOCK:(i + 1) * BLOCK], i * BLOCK), \
             "failed blocks are recomputed (all their layers)"
+    # the stored copies of blocks 1..5 stay listed (the reads failed, not the objects):
+    # the recomputed blocks replace them, none is refused as already there
+    assert resaved(b) == [(4, True), (1, True)]
+    assert b.stat("blocks_saved") == 5 and b.stat("save_errors") == 0
 
 
 @pytest.mark.master_flags("--default_kv_lease_ttl", "300")
