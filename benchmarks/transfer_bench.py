@@ -181,14 +181,16 @@ ORIG_INITIATOR = textwrap.dedent("""
 
 def ensure_original() -> Path | None:
     py = ORIG_VENV / "bin" / "python"
-    check = [str(py), "-c", "import mooncake.engine"]
+    check = [str(py), "-c", "import mooncake.engine, numpy"]
     if py.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return py
     log(f"installing {ORIG_WHEEL} into {ORIG_VENV} ...")
     try:
         subprocess.run([sys.executable, "-m", "venv", str(ORIG_VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", ORIG_WHEEL], check=True,
-                       capture_output=True)
+        # numpy for the workloads, the CPU torch (the wheel on disk) for the tensor rows;
+        # not on top of this environment, whose editable install has a `mooncake` too
+        subprocess.run([str(py), "-m", "pip", "install", "-q", ORIG_WHEEL, "numpy",
+                        "torch==2.13.0"], check=True, capture_output=True)
         subprocess.run(check, check=True, capture_output=True)
     except subprocess.CalledProcessError as exc:
         log(f"original wheel unavailable: {exc.stderr.decode()[-500:] if exc.stderr else exc}")

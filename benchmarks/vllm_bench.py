@@ -5,18 +5,20 @@ Run with the vLLM venv's python (``.ci/run`` makes ``.venv-vllm``)::
 
     .venv-vllm/bin/python benchmarks/vllm_bench.py
 
-Each variant gets a fresh master and a holder process (a 1 GiB segment: the KV outlives
-the engines). Engine A (a fresh process) generates for ``--prompts`` distinct prompts and
-saves their blocks; engine B (another fresh process) generates for the same prompts and
-loads them. Both warm up first with a prompt shorter than one block (nothing is saved or
-loaded), so the timed ``generate`` is the connector's path, not vLLM's first-call cost.
+The model is a random-weight Llama large enough that prefill dominates on a CPU
+(``--hidden`` 1024, ``--layers`` 8, 16 heads, 4 KV heads). Each variant gets a fresh
+master and a holder process (a 1 GiB segment: the KV outlives the engines). Engine A (a
+fresh process) generates one token for ``--prompts`` distinct prompts of each length of
+``--prompt-lens`` (1k, 4k and 16k tokens), a ``generate`` per length, and saves their
+blocks; engine B (another fresh process) does the same and loads them: its ``generate``
+time is the time to first token with a store hit, the no-connector engine's is the
+recompute time. Both warm up first with a prompt shorter than one block (nothing is saved
+or loaded), so the timed ``generate`` is the connector's path, not vLLM's first-call cost.
 Variants: no connector; our ``MooncakePluginsStoreConnector``; vLLM's in-tree
 ``MooncakeStoreConnector`` on our drop-in ``mooncake`` package; the same in-tree connector on
 the original wheel (``mooncake-transfer-engine-non-cuda==0.3.13.post1``, its own master and
 holder from benchmarks/.venv-orig, its Python modules put first on the engines' path).
-``--rounds R`` times R ``generate`` calls per engine, each over its own prompts (engine A
-saves all of them, engine B loads them); the table shows the median round. ``--variants``
-picks the variants to run (e.g. ``none,ours``). Prints a table; writes
+``--variants`` picks the variants to run (e.g. ``none,ours``). Prints a table; writes
 benchmarks/results/vllm_bench.json.
 """
 
@@ -26,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,15 +47,20 @@ ORIG_WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 VARIANTS = ("none", "ours", "in-tree on ours", "in-tree on original")
 
 
-def tiny_llama(layers: int) -> str:
+HEAD_DIM = 64
+KV_HEADS = 4
+
+
+def random_llama(hidden: int, layers: int) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
     import torch
 
     d = tempfile.mkdtemp(prefix="vllm-bench-model-")
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=layers, vocab_size=1024, max_position_embeddings=4096,
+        hidden_size=hidden, intermediate_size=4 * hidden,
+        num_attention_heads=hidden // HEAD_DIM, num_key_value_heads=KV_HEADS,
+        num_hidden_layers=layers, vocab_size=1024, max_position_embeddings=32768,
         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)).save_pretrained(d)
     return d
 
@@ -62,14 +68,13 @@ def tiny_llama(layers: int) -> str:
 def run_engine(model: str, a: argparse.Namespace, kv: dict | None, env: dict) -> dict:
     out = tempfile.mktemp(suffix=".json")
     rpc = tempfile.mkdtemp(prefix="vllm-rpc-")
-    cmd = [sys.executable, RUN_LLM, model, out, "--prompt-len", str(a.prompt_len),
-           "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens), "--warmup",
-           "--rounds", str(a.rounds)]
+    cmd = [sys.executable, RUN_LLM, model, out, "--prompt-lens", a.prompt_lens,
+           "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens), "--warmup"]
     if kv:
         cmd += ["--kv-config", json.dumps(kv)]
     try:
         p = subprocess.run(cmd, cwd=tempfile.gettempdir(), capture_output=True, text=True,
-                           timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
+                           timeout=1800, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
                                              "VLLM_HOST_IP": "127.0.0.1",
                                              "VLLM_RPC_BASE_PATH": rpc, **env})
         if p.returncode:
@@ -105,7 +110,7 @@ def variant(name: str, system: str, model: str, a: argparse.Namespace) -> dict:
             conf.write_text(json.dumps({
                 "metadata_server": metadata, "master_server_address": address,
                 "protocol": "tcp", "device_name": "", "mode": "standalone-store",
-                "global_segment_size": 0, "local_buffer_size": "256MB"}))
+                "global_segment_size": 0, "local_buffer_size": "1GB"}))
             kv = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                   "kv_load_failure_policy": "recompute"}
             env = {"MOONCAKE_CONFIG_PATH": str(conf), "GLOG_minloglevel": "2",
@@ -135,22 +140,28 @@ def ensure_original_modules() -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=1025, help="8 CPU blocks and a token")
+    ap.add_argument("--prompts", type=int, default=1, help="distinct prompts per length")
+    ap.add_argument("--prompt-lens", default="1025,4097,16385",
+                    help="comma-separated prompt lengths (CPU blocks are 128 tokens)")
     ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--skip-original", action="store_true")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="timed generate calls per engine, each over its own prompts")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--out", default=str(HERE / "results" / "vllm_bench.json"))
     a = ap.parse_args()
     chosen = [v.strip() for v in a.variants.split(",") if v.strip()]
     unknown = sorted(set(chosen) - set(VARIANTS))
-    if unknown or a.rounds < 1:
-        ap.error(f"unknown variants {unknown}" if unknown else "--rounds must be >= 1")
-    model = tiny_llama(a.layers)
+    try:
+        lens = [int(n) for n in a.prompt_lens.split(",")]
+    except ValueError:
+        lens = []
+    if unknown or not lens or min(lens) < 2 or a.hidden % HEAD_DIM:
+        ap.error(f"unknown variants {unknown}" if unknown else
+                 f"--hidden must be a multiple of {HEAD_DIM}" if a.hidden % HEAD_DIM else
+                 "--prompt-lens: comma-separated lengths of at least 2 tokens")
+    model = random_llama(a.hidden, a.layers)
     results: dict[str, dict] = {}
     try:
         if "none" in chosen:
@@ -164,28 +175,33 @@ def main() -> None:
             results[name] = variant(name, system, model, a)
     finally:
         shutil.rmtree(model, ignore_errors=True)
-    want = ([r["tokens"] for r in results["none"]["hit"]["requests"]]
-            if "none" in results else None)
+
+    def per_round(run: dict, i: int) -> tuple[float, list[dict]]:
+        return run["round_seconds"][i], run["requests"][i * a.prompts:(i + 1) * a.prompts]
+
     rows = []
-    print(f"\n{os.cpu_count()} cores; tiny Llama ({a.layers} layers, 2 KV heads x 64), "
-          f"{a.prompts} prompts x {a.prompt_len} tokens, max_tokens {a.max_tokens}; "
-          "generate seconds after a warm-up, fresh engine processes"
-          + (f"; median of {a.rounds} rounds" if a.rounds > 1 else ""))
-    print("\n| connector | save path generate (s) | hit path generate (s) | "
-          "cached tokens (hit) | tokens = no connector |")
-    print("|---|---:|---:|---:|---|")
-    for name, r in results.items():
-        hit = r["hit"]
-        cached = sum(q["num_cached_tokens"] for q in hit["requests"])
-        same = None if want is None else [q["tokens"] for q in hit["requests"]] == want
-        save = statistics.median(r["save"]["round_seconds"]) if "save" in r else None
-        hit_s = statistics.median(hit["round_seconds"])
-        rows.append({"connector": name, "save_s": save, "hit_s": hit_s,
-                     "cached_tokens": cached, "same_tokens": same,
-                     "save_rounds_s": r["save"]["round_seconds"] if "save" in r else None,
-                     "hit_rounds_s": hit["round_seconds"]})
-        print(f"| {name} | {'' if save is None else f'{save:.3f}'} | {hit_s:.3f} | "
-              f"{cached} | {'n/a' if same is None else 'yes' if same else 'NO'} |")
+    print(f"\n{os.cpu_count()} cores; random Llama (hidden {a.hidden}, {a.layers} layers, "
+          f"{KV_HEADS} KV heads x {HEAD_DIM}, fp32), {a.prompts} prompt(s) per length, "
+          f"max_tokens {a.max_tokens}; generate seconds after a warm-up, fresh engine "
+          "processes; hit = engine B (loads), save = engine A (computes and saves)")
+    print("\n| prompt tokens | connector | save path (s) | hit path (s) | hit vs recompute | "
+          "cached tokens | tokens = no connector |")
+    print("|---:|---|---:|---:|---:|---:|---|")
+    for i, length in enumerate(lens):
+        base = per_round(results["none"]["hit"], i) if "none" in results else None
+        for name, r in results.items():
+            hit_s, reqs = per_round(r["hit"], i)
+            save_s = per_round(r["save"], i)[0] if "save" in r else None
+            cached = sum(q["num_cached_tokens"] for q in reqs)
+            same = (None if base is None else
+                    [q["tokens"] for q in reqs] == [q["tokens"] for q in base[1]])
+            speedup = None if base is None or name == "none" else base[0] / hit_s
+            rows.append({"prompt_len": length, "connector": name, "save_s": save_s,
+                         "hit_s": hit_s, "hit_speedup": speedup, "cached_tokens": cached,
+                         "same_tokens": same})
+            print(f"| {length} | {name} | {'' if save_s is None else f'{save_s:.3f}'} | "
+                  f"{hit_s:.3f} | {'' if speedup is None else f'{speedup:.1f}x'} | {cached} | "
+                  f"{'n/a' if same is None else 'yes' if same else 'NO'} |")
     write_results(a.out, vars(a), rows, results)
 
 

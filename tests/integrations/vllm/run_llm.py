@@ -8,7 +8,8 @@ request's greedy tokens, their logprobs, ``num_cached_tokens`` and the wall time
 logprobs request of a process is slow), outside the timing. With ``--rounds R``, ``generate``
 runs R times, each over its own distinct prompts (no prefix shared with another round);
 ``seconds`` is the first round's time, ``round_seconds`` all of them, and ``requests``
-lists every round's requests in order.
+lists every round's requests in order. ``--prompt-lens 1025,4097`` runs one round per
+length instead.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def prompt_tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def build_llm(model: str, kv_config: str = "", single_process: bool = False,
-              tp: int = 1) -> Any:
+              tp: int = 1, max_model_len: int = 2048) -> Any:
     """The tests' engine: greedy-comparable settings, ``kv_config`` (JSON) as its KV
     connector. ``single_process`` runs the engine core and the worker in this process
     (one vLLM import instead of three: it starts in about half the time); ``tp`` > 1 runs
@@ -39,7 +40,7 @@ def build_llm(model: str, kv_config: str = "", single_process: bool = False,
 
     kv = KVTransferConfig(**json.loads(kv_config)) if kv_config else None
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-               max_model_len=2048, max_num_seqs=4, disable_hybrid_kv_cache_manager=True,
+               max_model_len=max_model_len, max_num_seqs=4, disable_hybrid_kv_cache_manager=True,
                kv_transfer_config=kv, seed=0, tensor_parallel_size=tp,
                distributed_executor_backend="uni" if single_process else None)
 
@@ -54,12 +55,19 @@ def main() -> None:
     ap.add_argument("--kv-config", default="", help="KVTransferConfig fields as JSON")
     ap.add_argument("--warmup", action="store_true")
     ap.add_argument("--rounds", type=int, default=1, help="timed generate calls")
+    ap.add_argument("--prompt-lens", default="",
+                    help="comma-separated: round r's prompts have the r-th length "
+                         "(replaces --prompt-len and --rounds)")
     ap.add_argument("--single-process", action="store_true",
                     help="engine core and worker in this process (quicker to start)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     args = ap.parse_args()
 
-    llm = build_llm(args.model, args.kv_config, args.single_process, args.tp)
+    lens = ([int(n) for n in args.prompt_lens.split(",")] if args.prompt_lens
+            else [args.prompt_len] * args.rounds)
+    longest = max(lens) + args.max_tokens
+    llm = build_llm(args.model, args.kv_config, args.single_process, args.tp,
+                    max(2048, -(-longest // 1024) * 1024))
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -68,8 +76,8 @@ def main() -> None:
     if args.warmup:
         llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], params, use_tqdm=False)
     outs, rounds = [], []
-    for r in range(args.rounds):
-        prompts = [TokensPrompt(prompt_token_ids=prompt_tokens(args.prompt_len, s))
+    for r, length in enumerate(lens):
+        prompts = [TokensPrompt(prompt_token_ids=prompt_tokens(length, s))
                    for s in range(r * args.prompts, (r + 1) * args.prompts)]
         t0 = time.perf_counter()
         outs += llm.generate(prompts, params, use_tqdm=False)
