@@ -241,7 +241,9 @@ class StoreWorker:
         except MooncakeError as exc:
             log.warning("store connector (worker %d): saving %d block(s) failed: %s",
                         self._rank, n, exc)
-            self._count(save_errors=n - sum(e is None for e in errors))
+            done = sum(e is None for e in errors)   # a first call may have gone through
+            self._count(blocks_saved=done, bytes_saved=done * layout.block_nbytes,
+                        save_errors=n - done)
             return
         bad = [e for e in errors if e is not None and not isinstance(e, ObjectAlreadyExists)]
         new = sum(e is None for e in errors)
