@@ -90,3 +90,29 @@ def test_named_segment_in_metadata_mode(metadata_server):
     store = from_url(url)
     assert store.get(METADATA_PREFIX + "prefill-0") is None  # unpublished on close
     store.close()
+
+
+def test_shm_maps_a_peer_range_once_per_access_kind(spawn_peer, monkeypatch):
+    """A peer's pages are populated (one madvise per slice) on the first read of a range
+    and on the first write (which needs them writable), not on every copy again."""
+    from mooncake_plugins.transfer import memory
+
+    calls = []
+    real = memory.populate
+    peer = spawn_peer("--nbytes", str(NBYTES), "--seed", "7")
+    with engine(transports=["shm"]) as e:
+        local = e.allocate(NBYTES)
+        monkeypatch.setattr(memory, "populate",
+                            lambda a, n, write: calls.append(write) or real(a, n, write))
+        for op, expect in [("read", [False]), ("read", []), ("write", [True]),
+                           ("read", []), ("write", [])]:
+            calls.clear()
+            if op == "read":
+                local.view()[:] = bytes(NBYTES)
+                e.read(peer.segment, local.address, peer.address, NBYTES)
+                assert bytes(local.view()) == pattern(7, NBYTES)
+            else:
+                e.write(peer.segment, local.address, peer.address, NBYTES)
+                assert peer.ask("sha") == hashlib.sha256(pattern(7, NBYTES)).hexdigest()
+            assert set(calls) == set(expect) and (not expect or len(calls) >= NBYTES >> 20), \
+                f"{op}: populate calls {calls}, expected {expect}"
