@@ -8,6 +8,8 @@ when it is used) and tolerates being called more than once.
 
 from __future__ import annotations
 
+import logging
+
 CONNECTORS = {
     "MooncakePluginsStoreConnector": ("mooncake_vllm.store_connector",
                                       "MooncakePluginsStoreConnector"),
@@ -22,3 +24,15 @@ def register() -> None:
     for name, (module, cls) in CONNECTORS.items():
         if name not in KVConnectorFactory._registry:
             KVConnectorFactory.register_connector(name, module, cls)
+    _log_like_vllm()
+
+
+def _log_like_vllm() -> None:
+    """Our connectors' log lines go where vLLM's go, at its level: vLLM configures only its
+    own logger, so without this their INFO lines (KV layout, load mode, store reached)
+    would be dropped. A logging configuration that names our logger is left alone."""
+    ours, theirs = logging.getLogger(__name__), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level)

@@ -30,6 +30,18 @@ class StoreSettings(ClientSettings):
     local_hostname: str = dataclasses.field(default_factory=default_hostname)
     save_decode_cache: bool = False
     """Also save blocks filled by generated tokens (default: prompt blocks only)."""
+    load_mode: str = "auto"
+    """"layerwise": each attention layer waits only for its own layer's reads (they overlap
+    the forward pass of the layers before); "whole": every layer of the step's blocks is
+    read in one batch before the first layer runs; "auto": layer-wise when vLLM left a
+    core free of compute threads for the transfers, whole otherwise (reads on a compute
+    core would stall the forward pass's parallel regions)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.load_mode not in ("auto", "layerwise", "whole"):
+            raise ValueError(f"load_mode {self.load_mode!r}: expected 'auto', 'layerwise' "
+                             "or 'whole'")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,12 +5,17 @@ The KV cache tensors are registered with the store client once; a block over all
 is a list of ``(address, nbytes)`` pieces (:class:`KVLayout`), which the store gathers on
 put and scatters on get, so no staging buffer is involved.
 
-Loads are layer-wise: before the forward pass, one master round trip finds every block's
-object, then a background thread reads the objects' layers in order, each layer of every
-block a ranged read straight into that layer's KV tensor. The forward pass waits, in each
-attention layer, only for that layer's reads, so layer ``l + 1`` arrives while layer ``l``
-computes. A block any of whose layers could not be read is reported to vLLM as failed at
-the end of the step, and vLLM recomputes it (its other layers are overwritten then).
+Loads: before the forward pass, one master round trip finds every block's object, then a
+background thread reads them straight into the KV tensors. Layer-wise (when vLLM left a
+core free of its compute threads for KV transfers), it reads the objects' layers in order,
+each layer of every block a ranged read into that layer's KV tensor, and each attention
+layer waits only for its own reads, so layer ``l + 1`` arrives while layer ``l`` computes.
+Otherwise all layers are read in one batch while the model runner prepares its inputs,
+and the first layer waits for it: reads on a core that a compute thread is bound to stall
+every parallel region of the forward pass (measured on two cores: the first layer's
+compute took 26 ms instead of 3.4 while the other layers were read). A block any of whose
+layers could not be read is reported to vLLM as failed at the end of the step, and vLLM
+recomputes it (its other layers are overwritten then).
 
 Saves are handed to a background thread after the forward pass, so they overlap the next
 steps. A request whose blocks are still being saved is reported as finished sending only
@@ -22,11 +27,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from mooncake_plugins.errors import MooncakeError, ObjectAlreadyExists
 from mooncake_plugins.store.client import Located, ReplicateConfig, StoreClient
@@ -43,36 +49,86 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LayerRead = tuple[list, float]   # per block its bytes read or error; when the read ended
+_Read = tuple[list, float]   # per block its bytes read or error; when the read ended
 
 
-def _on_kv_cores() -> None:
-    """Thread initializer: move this thread to the cores vLLM's CPU backend keeps for KV
-    transfers (the last core of each NUMA node; vLLM binds its compute threads elsewhere
-    and pins the thread that starts ours to a compute core). Without this, reads and
-    writes would take turns with the forward pass on one core instead of overlapping it."""
+def _cpu_list(text: str) -> set[int] | None:
+    """CPU ids of an OpenMP list such as ``0 1 2``, ``0-3,8`` or ``{0,1},{2}``; None
+    when the text has another form (places with lengths or strides)."""
+    out: set[int] = set()
+    for item in re.split(r"[\s,{}]+", text.strip()):
+        if not item:
+            continue
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+        if m is None:
+            return None
+        first = int(m.group(1))
+        out.update(range(first, int(m.group(2) or first) + 1))
+    return out or None
+
+
+def omp_cores(env: Mapping[str, str] = os.environ) -> set[int] | None:
+    """The cores vLLM bound this worker's OpenMP compute threads to (it sets one of these
+    variables per worker, by the OpenMP runtime in use); None when none is set."""
+    kmp = re.search(r"proclist=\[([^\]]*)\]", env.get("KMP_AFFINITY", ""))
+    for text in (kmp.group(1) if kmp else "", env.get("GOMP_CPU_AFFINITY", ""),
+                 env.get("OMP_PLACES", "")):
+        cores = _cpu_list(text) if text else None
+        if cores:
+            return cores
+    return None
+
+
+def kv_cores() -> tuple[list[int], bool]:
+    """Cores for the KV transfer threads, and whether no compute thread is bound to them.
+
+    vLLM's CPU backend keeps the last core of each NUMA node for KV transfers, but only
+    on machines with cores to spare: on a small one its compute threads use every core.
+    Then all cores are returned (a read may use any while the forward pass is not
+    running), with False. Empty for other platforms (the threads stay where they are)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return
-    try:
-        cores = [max(node) for node in current_platform.discover_numa_topology() if node]
-        if cores:
+        return [], True
+    nodes = [sorted(n) for n in current_platform.discover_numa_topology() if n]
+    reserved = [n[-1] for n in nodes]
+    if not reserved:
+        return [], True
+    compute = omp_cores()
+    if compute is None:   # unbound: as many compute threads as cores means all are used
+        import torch
+
+        free = torch.get_num_threads() < sum(map(len, nodes))
+    else:
+        free = not compute & set(reserved)
+    return (reserved, True) if free else (sorted(c for n in nodes for c in n), False)
+
+
+def _bind_to(cores: list[int]) -> Callable[[], None]:
+    """Thread initializer: run this thread on ``cores`` (none: where it was started). Without
+    this, a transfer thread inherits the core vLLM pinned its starter to, a compute core."""
+    def bind() -> None:
+        if not cores:
+            return
+        try:
             os.sched_setaffinity(0, cores)
-    except OSError as exc:
-        log.info("store connector: KV transfer threads stay on the cores they were given (%s)",
-                 exc)
+        except OSError as exc:
+            log.info("store connector: KV transfer threads stay on the cores they were "
+                     "given (%s)", exc)
+    return bind
 
 
 @dataclass
 class _StepLoads:
-    """One step's loads: a read per layer, in flight, over the blocks that were found."""
+    """One step's loads in flight over the blocks that were found: a read per layer, or
+    one read of every layer that all layer names share."""
 
     started: float
     blocks: list[int]                                # block ids whose objects were found
-    layers: dict[str, "Future[_LayerRead]"]          # layer name -> its read, until waited for
+    layers: dict[str, "Future[_Read]"]               # layer name -> its read, until waited for
     failed: dict[int, str] = field(default_factory=dict)   # block id -> why (any layer)
     ended: float = 0.0
+    collected: set = field(default_factory=set)      # reads taken (one may serve all layers)
 
 
 class StoreWorker:
@@ -87,10 +143,9 @@ class StoreWorker:
         self._layout: KVLayout | None = None
         self._link = StoreLink(settings, settings.global_segment_size,
                                f"store connector (worker {tp_rank})", self._on_connect)
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="mc-vllm-save",
-                                         initializer=_on_kv_cores)
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="mc-vllm-load",
-                                          initializer=_on_kv_cores)
+        self._saver: ThreadPoolExecutor | None = None   # made when the KV cache is known
+        self._loader: ThreadPoolExecutor | None = None
+        self._layerwise = settings.load_mode == "layerwise"
         self._loads: _StepLoads | None = None         # this step's layer reads
         self._saves: dict[str, list[Future]] = {}     # req id -> its save batches
         self._finishing: set[str] = set()             # finished requests with saves out
@@ -101,7 +156,18 @@ class StoreWorker:
     # -- setup ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         self._layout = KVLayout(kv_caches, self._num_blocks)
-        log.info("store connector (worker %d): KV cache %s", self._rank, self._layout.describe())
+        cores, free = kv_cores()
+        mode = self._settings.load_mode
+        self._layerwise = mode == "layerwise" or (mode == "auto" and free)
+        log.info("store connector (worker %d): KV cache %s; loads %s; transfer threads on "
+                 "cores %s%s", self._rank, self._layout.describe(),
+                 "layer by layer" if self._layerwise else "whole before the first layer",
+                 cores or "as started", "" if free else " (shared with compute threads)")
+        bind = _bind_to(cores)
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="mc-vllm-save", initializer=bind)
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="mc-vllm-load", initializer=bind)
+        for pool in (self._saver, self._loader):   # start them now, not on the first request
+            pool.submit(lambda: None).result()
         client = self._link.get()   # connects now (and registers) when the store is up
         if client is None:
             log.warning("store connector (worker %d): store not reachable yet; blocks are "
@@ -154,16 +220,21 @@ class StoreWorker:
                                          f"{layout.block_nbytes}")
             else:
                 found.append((j, block))
-        layers = {}
-        for layer, name in enumerate(layout.layer_names):
-            reads = [(j, layer * layout.layer_nbytes, layout.layer_pieces(block, layer))
-                     for j, block in found]
-            layers[name] = self._loader.submit(self._read_layer, client, located, reads)
+        if self._layerwise:
+            layers = {}
+            for layer, name in enumerate(layout.layer_names):
+                reads = [(j, layer * layout.layer_nbytes, layout.layer_pieces(block, layer))
+                         for j, block in found]
+                layers[name] = self._loader.submit(self._read, client, located, reads)
+        else:
+            whole = self._loader.submit(self._read, client, located,
+                                        [(j, 0, layout.block_pieces(block)) for j, block in found])
+            layers = dict.fromkeys(layout.layer_names, whole)
         self._loads = _StepLoads(t0, [b for _, b in found], layers, failed)
 
     @staticmethod
-    def _read_layer(client: StoreClient, located: Located,
-                    reads: list[tuple[int, int, list[tuple[int, int]]]]) -> _LayerRead:
+    def _read(client: StoreClient, located: Located,
+              reads: list[tuple[int, int, list[tuple[int, int]]]]) -> _Read:
         try:
             results: list = client.batch_get_ranges_into(located, reads)
         except MooncakeError as exc:
@@ -179,7 +250,11 @@ class StoreWorker:
 
     @staticmethod
     def _collect(loads: _StepLoads, layer_name: str) -> None:
-        results, ended = loads.layers.pop(layer_name).result()
+        read = loads.layers.pop(layer_name)
+        if read in loads.collected:
+            return
+        loads.collected.add(read)
+        results, ended = read.result()
         loads.ended = max(loads.ended, ended)
         for block, r in zip(loads.blocks, results):
             if isinstance(r, Exception):
@@ -275,6 +350,7 @@ class StoreWorker:
             return self._stats.take()
 
     def shutdown(self) -> None:
-        self._loader.shutdown(wait=True)
-        self._saver.shutdown(wait=True)
+        for pool in (self._loader, self._saver):
+            if pool is not None:
+                pool.shutdown(wait=True)
         self._link.close()

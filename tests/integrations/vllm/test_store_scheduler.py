@@ -183,19 +183,20 @@ def test_blocks_lost_after_lookup_are_recomputed(store, engines, caplog):
     assert b.stat("blocks_saved") == 6 and objects(store) == 6
 
 
-def _loading_engine(store, engines):
-    """Engine "a" saved PROMPT; a fresh engine "b" is about to load its 6 blocks."""
+def _loading_engine(store, engines, **extra):
+    """Engine "a" saved PROMPT; a fresh engine "b" (``extra`` settings) is about to load
+    its 6 blocks."""
     a = engines(store_config(store.address))
     a.add("a", PROMPT)
     a.run()
-    b = engines(store_config(store.address))
+    b = engines(store_config(store.address, **extra))
     worker = b.worker._worker
     return b, worker, worker._client()
 
 
 def test_layers_are_waited_for_one_by_one_and_a_failed_layer_fails_only_its_blocks(
         store, engines):
-    b, worker, client = _loading_engine(store, engines)
+    b, worker, client = _loading_engine(store, engines, load_mode="layerwise")
     layer_nbytes = worker._layout.layer_nbytes
     calls = {"locate": 0, "reads": []}
     layer1_may_read = threading.Event()
@@ -262,7 +263,7 @@ def test_layers_are_waited_for_one_by_one_and_a_failed_layer_fails_only_its_bloc
 @pytest.mark.master_flags("--default_kv_lease_ttl", "300")
 def test_a_lease_that_runs_out_between_layers_fails_every_block_of_the_load(
         store, engines, caplog):
-    b, worker, client = _loading_engine(store, engines)
+    b, worker, client = _loading_engine(store, engines, load_mode="layerwise")
     layer_nbytes = worker._layout.layer_nbytes
     real_reads = client.batch_get_ranges_into
 
@@ -282,3 +283,45 @@ def test_a_lease_that_runs_out_between_layers_fails_every_block_of_the_load(
     assert b.stat("blocks_loaded") == 0
     for i, block in enumerate(load.block_ids):
         assert b.block_ok(block, PROMPT[i * BLOCK:(i + 1) * BLOCK], i * BLOCK)
+
+
+def test_whole_loads_read_every_layer_at_once_before_the_first_layer(store, engines):
+    b, worker, client = _loading_engine(store, engines, load_mode="whole")
+    calls = {"locate": 0, "reads": []}
+    real_locate, real_reads = client.locate, client.batch_get_ranges_into
+
+    def locate(keys):
+        calls["locate"] += 1
+        return real_locate(keys)
+
+    def reads(located, ranges):
+        calls["reads"].append(sorted({offset for _, offset, _ in ranges}))
+        time.sleep(0.3)   # slow: the first layer's wait must really wait
+        got = real_reads(located, ranges)
+        return [StoreTransferFailed("injected") if j in (1, 4) else r
+                for (j, _, _), r in zip(ranges, got)]
+
+    landed = {}          # layer -> every layer's bytes were in place when its wait returned
+    real_wait = worker.wait_for_layer_load
+
+    def wait_for_layer_load(name):
+        real_wait(name)
+        if b.metas[-1].loads:
+            (job,) = b.metas[-1].loads
+            landed[name] = all(b.block_ok(block, PROMPT[i * BLOCK:(i + 1) * BLOCK], i * BLOCK)
+                               for i, block in enumerate(job.block_ids) if i not in (1, 4))
+
+    client.locate, client.batch_get_ranges_into = locate, reads
+    worker.wait_for_layer_load = wait_for_layer_load
+    b.add("b", PROMPT)
+    b.step()
+    assert calls == {"locate": 1, "reads": [[0]]}, "one lookup, one read of whole objects"
+    assert landed == {"layer.0": True, "layer.1": True}
+    (load,) = b.metas[0].loads
+    bad = {load.block_ids[1], load.block_ids[4]}
+    assert b.outputs[0].kv_connector_output.invalid_block_ids == bad
+    assert b.stat("blocks_loaded") == 4 and b.stat("load_errors") == 2
+    b.run()
+    for i, block in enumerate(load.block_ids):
+        assert b.block_ok(block, PROMPT[i * BLOCK:(i + 1) * BLOCK], i * BLOCK)
+    assert resaved(b) == [(4, True), (1, True)]
