@@ -84,24 +84,28 @@ def kv_cores() -> tuple[list[int], bool]:
 
     vLLM's CPU backend keeps the last core of each NUMA node for KV transfers, but only
     on machines with cores to spare: on a small one its compute threads use every core.
-    Then all cores are returned (a read may use any while the forward pass is not
-    running), with False. Empty for other platforms (the threads stay where they are)."""
+    A core is free when neither this worker's compute threads nor, with an explicit
+    ``VLLM_CPU_OMP_THREADS_BIND`` (``0-3|4-7``: one list per rank), another rank's are
+    bound to it. Without a free core all cores are returned (a read may use any while the
+    forward pass is not running), with False. Empty for other platforms (the threads stay
+    where they are)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return [], True
     nodes = [sorted(n) for n in current_platform.discover_numa_topology() if n]
-    reserved = [n[-1] for n in nodes]
-    if not reserved:
+    if not nodes:
         return [], True
     compute = omp_cores()
     if compute is None:   # unbound: as many compute threads as cores means all are used
         import torch
 
-        free = torch.get_num_threads() < sum(map(len, nodes))
-    else:
-        free = not compute & set(reserved)
-    return (reserved, True) if free else (sorted(c for n in nodes for c in n), False)
+        if torch.get_num_threads() >= sum(map(len, nodes)):
+            compute = {c for n in nodes for c in n}
+    for ranks in os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|"):
+        compute = (compute or set()) | (_cpu_list(ranks) or set())
+    free = [n[-1] for n in nodes if n[-1] not in (compute or ())]
+    return (free, True) if free else (sorted(c for n in nodes for c in n), False)
 
 
 def _bind_to(cores: list[int]) -> Callable[[], None]:

