@@ -7,13 +7,22 @@ Run with the vLLM venv's python (``.ci/run`` makes ``.venv-vllm``)::
 
 The model is a random-weight Llama large enough that prefill dominates on a CPU
 (``--hidden`` 1024, ``--layers`` 8, 16 heads, 4 KV heads). Each variant gets a fresh
-master and a holder process (a 1 GiB segment: the KV outlives the engines). Engine A (a
+master and a holder process (its segment holds every prompt's KV with room to spare, so
+nothing is evicted: the KV outlives the engines). Engine A (a
 fresh process) generates one token for ``--prompts`` distinct prompts of each length of
 ``--prompt-lens`` (1k, 4k and 16k tokens), a ``generate`` per length, and saves their
 blocks; engine B (another fresh process) does the same and loads them: its ``generate``
 time is the time to first token with a store hit, the no-connector engine's is the
 recompute time. Both warm up first with a prompt shorter than one block (nothing is saved
 or loaded), so the timed ``generate`` is the connector's path, not vLLM's first-call cost.
+``--repeats`` distinct prompts of each length run one after another: the first is the
+engine's first hit (cold: first contact with the holder), the median is the steady state.
+
+Every engine binds its compute threads to the same cores (``--omp-bind all``: every core,
+through ``VLLM_CPU_OMP_THREADS_BIND``). Left to itself (``--omp-bind vllm``), vLLM keeps one
+core more for itself when a KV connector is configured, so on two cores the engine without
+a connector computes with one thread and those with one with two: an unfair recompute
+baseline (it measured 2x slower).
 Variants: no connector; our ``MooncakePluginsStoreConnector``; vLLM's in-tree
 ``MooncakeStoreConnector`` on our drop-in ``mooncake`` package; the same in-tree connector on
 the original wheel (``mooncake-transfer-engine-non-cuda==0.3.13.post1``, its own master and
@@ -28,6 +37,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,6 +59,7 @@ VARIANTS = ("none", "ours", "in-tree on ours", "in-tree on original")
 
 HEAD_DIM = 64
 KV_HEADS = 4
+CPU_BLOCK = 128   # vLLM's block size on CPU
 
 
 def random_llama(hidden: int, layers: int) -> str:
@@ -68,21 +79,37 @@ def random_llama(hidden: int, layers: int) -> str:
 def run_engine(model: str, a: argparse.Namespace, kv: dict | None, env: dict) -> dict:
     out = tempfile.mktemp(suffix=".json")
     rpc = tempfile.mkdtemp(prefix="vllm-rpc-")
-    cmd = [sys.executable, RUN_LLM, model, out, "--prompt-lens", a.prompt_lens,
+    lens = ",".join(n for n in a.prompt_lens.split(",") for _ in range(a.repeats))
+    cmd = [sys.executable, RUN_LLM, model, out, "--prompt-lens", lens,
            "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens), "--warmup"]
     if kv:
         cmd += ["--kv-config", json.dumps(kv)]
     try:
         p = subprocess.run(cmd, cwd=tempfile.gettempdir(), capture_output=True, text=True,
-                           timeout=1800, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
+                           timeout=3600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
                                              "VLLM_HOST_IP": "127.0.0.1",
-                                             "VLLM_RPC_BASE_PATH": rpc, **env})
+                                             "VLLM_RPC_BASE_PATH": rpc, **omp_env(a), **env})
         if p.returncode:
             raise RuntimeError(f"engine failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
         return json.loads(Path(out).read_text())
     finally:
         shutil.rmtree(rpc, ignore_errors=True)
         Path(out).unlink(missing_ok=True)
+
+
+def segment_bytes(a: argparse.Namespace) -> int:
+    """The holder's segment: room for every prompt's KV with a margin, so that nothing is
+    evicted before engine B reads it (at least 1 GiB)."""
+    tokens = sum(int(n) for n in a.prompt_lens.split(",")) * a.repeats * a.prompts
+    kv = tokens * 2 * KV_HEADS * HEAD_DIM * 4 * a.layers   # K and V, fp32
+    return max(1 << 30, -(-kv * 3 // 2 // (1 << 30)) * (1 << 30))
+
+
+def omp_env(a: argparse.Namespace) -> dict[str, str]:
+    """The compute-thread binding every engine gets (none: vLLM's own choice)."""
+    if a.omp_bind == "vllm":
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0))))}
 
 
 def variant(name: str, system: str, model: str, a: argparse.Namespace) -> dict:
@@ -93,7 +120,7 @@ def variant(name: str, system: str, model: str, a: argparse.Namespace) -> dict:
     env: dict[str, str] = {}
     try:
         holder = spawn([py, WORKLOAD, "--master", address, "--metadata", metadata,
-                        "--role", "holder", "--segment", str(1 << 30)],
+                        "--role", "holder", "--segment", str(segment_bytes(a))],
                        cwd=tempfile.gettempdir(), stdin=subprocess.PIPE,
                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                        env={**os.environ, "GLOG_minloglevel": "2", "MC_LOG_LEVEL": "ERROR"})
@@ -143,6 +170,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1, help="distinct prompts per length")
     ap.add_argument("--prompt-lens", default="1025,4097,16385",
                     help="comma-separated prompt lengths (CPU blocks are 128 tokens)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="distinct prompts of each length, one generate each")
+    ap.add_argument("--omp-bind", choices=("all", "vllm"), default="all",
+                    help="compute threads on every core for every engine, or vLLM's choice")
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
@@ -157,9 +188,10 @@ def main() -> None:
         lens = [int(n) for n in a.prompt_lens.split(",")]
     except ValueError:
         lens = []
-    if unknown or not lens or min(lens) < 2 or a.hidden % HEAD_DIM:
+    if unknown or not lens or min(lens) < 2 or a.hidden % HEAD_DIM or a.repeats < 1:
         ap.error(f"unknown variants {unknown}" if unknown else
                  f"--hidden must be a multiple of {HEAD_DIM}" if a.hidden % HEAD_DIM else
+                 "--repeats must be at least 1" if a.repeats < 1 else
                  "--prompt-lens: comma-separated lengths of at least 2 tokens")
     model = random_llama(a.hidden, a.layers)
     results: dict[str, dict] = {}
@@ -176,32 +208,47 @@ def main() -> None:
     finally:
         shutil.rmtree(model, ignore_errors=True)
 
-    def per_round(run: dict, i: int) -> tuple[float, list[dict]]:
-        return run["round_seconds"][i], run["requests"][i * a.prompts:(i + 1) * a.prompts]
+    def per_length(run: dict, i: int) -> tuple[list[float], list[dict]]:
+        """Round seconds and requests of the ``i``-th length's repeats."""
+        first = i * a.repeats
+        return (run["round_seconds"][first:first + a.repeats],
+                run["requests"][first * a.prompts:(first + a.repeats) * a.prompts])
 
-    rows = []
-    print(f"\n{os.cpu_count()} cores; random Llama (hidden {a.hidden}, {a.layers} layers, "
-          f"{KV_HEADS} KV heads x {HEAD_DIM}, fp32), {a.prompts} prompt(s) per length, "
+    rows, short = [], []
+    print(f"\n{os.cpu_count()} cores, compute threads: {omp_env(a) or 'vLLM default'}; "
+          f"random Llama (hidden {a.hidden}, {a.layers} layers, {KV_HEADS} KV heads x "
+          f"{HEAD_DIM}, fp32); {a.repeats} x {a.prompts} distinct prompt(s) per length, "
           f"max_tokens {a.max_tokens}; generate seconds after a warm-up, fresh engine "
-          "processes; hit = engine B (loads), save = engine A (computes and saves)")
-    print("\n| prompt tokens | connector | save path (s) | hit path (s) | hit vs recompute | "
-          "cached tokens | tokens = no connector |")
-    print("|---:|---|---:|---:|---:|---:|---|")
+          "processes; hit = engine B (loads): its first generate of the length and the "
+          "median; save = engine A (computes and saves), median")
+    print("\n| prompt tokens | connector | save path (s) | hit, first (s) | hit, median (s) | "
+          "median vs recompute | cached tokens | tokens = no connector |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
     for i, length in enumerate(lens):
-        base = per_round(results["none"]["hit"], i) if "none" in results else None
+        base = per_length(results["none"]["hit"], i) if "none" in results else None
         for name, r in results.items():
-            hit_s, reqs = per_round(r["hit"], i)
-            save_s = per_round(r["save"], i)[0] if "save" in r else None
+            hits, reqs = per_length(r["hit"], i)
+            save_s = statistics.median(per_length(r["save"], i)[0]) if "save" in r else None
+            hit_s = statistics.median(hits)
             cached = sum(q["num_cached_tokens"] for q in reqs)
             same = (None if base is None else
                     [q["tokens"] for q in reqs] == [q["tokens"] for q in base[1]])
-            speedup = None if base is None or name == "none" else base[0] / hit_s
+            speedup = (None if base is None or name == "none" else
+                       statistics.median(base[0]) / hit_s)
             rows.append({"prompt_len": length, "connector": name, "save_s": save_s,
-                         "hit_s": hit_s, "hit_speedup": speedup, "cached_tokens": cached,
+                         "hit_first_s": hits[0], "hit_s": hit_s, "hit_speedup": speedup,
+                         "cached_tokens": cached, "prompt_tokens": length * len(reqs),
                          "same_tokens": same})
             print(f"| {length} | {name} | {'' if save_s is None else f'{save_s:.3f}'} | "
-                  f"{hit_s:.3f} | {'' if speedup is None else f'{speedup:.1f}x'} | {cached} | "
+                  f"{hits[0]:.3f} | {hit_s:.3f} | "
+                  f"{'' if speedup is None else f'{speedup:.0f}x'} | {cached} | "
                   f"{'n/a' if same is None else 'yes' if same else 'NO'} |")
+            full = (length - 1) // CPU_BLOCK * CPU_BLOCK * len(reqs)
+            if name != "none" and cached < full:
+                short.append(f"{name} at {length} tokens loaded {cached} of {full} "
+                             "full-block tokens: its hit times include recompute")
+    for line in short:
+        print(f"WARNING: {line}")
     write_results(a.out, vars(a), rows, results)
 
 
