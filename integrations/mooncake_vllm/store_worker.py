@@ -10,12 +10,12 @@ background thread reads them straight into the KV tensors. Layer-wise (when vLLM
 core free of its compute threads for KV transfers), it reads the objects' layers in order,
 each layer of every block a ranged read into that layer's KV tensor, and each attention
 layer waits only for its own reads, so layer ``l + 1`` arrives while layer ``l`` computes.
-Otherwise all layers are read in one batch while the model runner prepares its inputs,
-and the first layer waits for it: reads on a core that a compute thread is bound to stall
-every parallel region of the forward pass (measured on two cores: the first layer's
-compute took 26 ms instead of 3.4 while the other layers were read). A block any of whose
-layers could not be read is reported to vLLM as failed at the end of the step, and vLLM
-recomputes it (its other layers are overwritten then).
+Otherwise all layers are read in one batch, which the first attention layer waits for:
+reads on a core that a compute thread is bound to stall every parallel region of the
+forward pass (measured on two cores: the first layer's compute took 26 ms instead of 3.4
+while the other layers were read). A block any of whose layers could not be read is
+reported to vLLM as failed at the end of the step, and vLLM recomputes it (its other
+layers are overwritten then).
 
 Saves are handed to a background thread after the forward pass, so they overlap the next
 steps. A request whose blocks are still being saved is reported as finished sending only
