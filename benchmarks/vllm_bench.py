@@ -8,10 +8,9 @@ Run with the vLLM venv's python (``.ci/run`` makes ``.venv-vllm``)::
 The model is a random-weight Llama large enough that prefill dominates on a CPU
 (``--hidden`` 1024, ``--layers`` 8, 16 heads, 4 KV heads). Each variant gets a fresh
 master and a holder process (its segment holds every prompt's KV with room to spare, so
-nothing is evicted: the KV outlives the engines). Engine A (a
-fresh process) generates one token for ``--prompts`` distinct prompts of each length of
-``--prompt-lens`` (1k, 4k and 16k tokens), a ``generate`` per length, and saves their
-blocks; engine B (another fresh process) does the same and loads them: its ``generate``
+nothing is evicted: the KV outlives the engines). Engine A (a fresh process) generates
+one token for ``--prompts`` distinct prompts of each length of ``--prompt-lens`` (1k, 4k
+and 16k tokens), a ``generate`` per length, and saves their blocks; engine B (another fresh process) does the same and loads them: its ``generate``
 time is the time to first token with a store hit, the no-connector engine's is the
 recompute time. Both warm up first with a prompt shorter than one block (nothing is saved
 or loaded), so the timed ``generate`` is the connector's path, not vLLM's first-call cost.
@@ -79,7 +78,7 @@ def random_llama(hidden: int, layers: int) -> str:
 def run_engine(model: str, a: argparse.Namespace, kv: dict | None, env: dict) -> dict:
     out = tempfile.mktemp(suffix=".json")
     rpc = tempfile.mkdtemp(prefix="vllm-rpc-")
-    lens = ",".join(n for n in a.prompt_lens.split(",") for _ in range(a.repeats))
+    lens = ",".join(str(n) for n in a.lens for _ in range(a.repeats))
     cmd = [sys.executable, RUN_LLM, model, out, "--prompt-lens", lens,
            "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens), "--warmup"]
     if kv:
@@ -100,7 +99,7 @@ def run_engine(model: str, a: argparse.Namespace, kv: dict | None, env: dict) ->
 def segment_bytes(a: argparse.Namespace) -> int:
     """The holder's segment: room for every prompt's KV with a margin, so that nothing is
     evicted before engine B reads it (at least 1 GiB)."""
-    tokens = sum(int(n) for n in a.prompt_lens.split(",")) * a.repeats * a.prompts
+    tokens = sum(a.lens) * a.repeats * a.prompts
     kv = tokens * 2 * KV_HEADS * HEAD_DIM * 4 * a.layers   # K and V, fp32
     return max(1 << 30, -(-kv * 3 // 2 // (1 << 30)) * (1 << 30))
 
@@ -193,6 +192,7 @@ def main() -> None:
                  f"--hidden must be a multiple of {HEAD_DIM}" if a.hidden % HEAD_DIM else
                  "--repeats must be at least 1" if a.repeats < 1 else
                  "--prompt-lens: comma-separated lengths of at least 2 tokens")
+    a.lens = lens
     model = random_llama(a.hidden, a.layers)
     results: dict[str, dict] = {}
     try:

@@ -96,16 +96,17 @@ def kv_cores() -> tuple[list[int], bool]:
     nodes = [sorted(n) for n in current_platform.discover_numa_topology() if n]
     if not nodes:
         return [], True
-    compute = omp_cores()
-    if compute is None:   # unbound: as many compute threads as cores means all are used
+    every = sorted(c for n in nodes for c in n)
+    compute = omp_cores() or set()
+    if not compute:   # unbound: as many compute threads as cores means all are used
         import torch
 
-        if torch.get_num_threads() >= sum(map(len, nodes)):
-            compute = {c for n in nodes for c in n}
+        if torch.get_num_threads() >= len(every):
+            compute = set(every)
     for ranks in os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|"):
-        compute = (compute or set()) | (_cpu_list(ranks) or set())
-    free = [n[-1] for n in nodes if n[-1] not in (compute or ())]
-    return (free, True) if free else (sorted(c for n in nodes for c in n), False)
+        compute |= _cpu_list(ranks) or set()
+    free = [n[-1] for n in nodes if n[-1] not in compute]
+    return (free, True) if free else (every, False)
 
 
 def _bind_to(cores: list[int]) -> Callable[[], None]:
@@ -132,7 +133,6 @@ class _StepLoads:
     layers: dict[str, "Future[_Read]"]               # layer name -> its read, until waited for
     failed: dict[int, str] = field(default_factory=dict)   # block id -> why (any layer)
     ended: float = 0.0
-    collected: set = field(default_factory=set)      # reads taken (one may serve all layers)
 
 
 class StoreWorker:
@@ -149,7 +149,7 @@ class StoreWorker:
                                f"store connector (worker {tp_rank})", self._on_connect)
         self._saver: ThreadPoolExecutor | None = None   # made when the KV cache is known
         self._loader: ThreadPoolExecutor | None = None
-        self._layerwise = settings.load_mode == "layerwise"
+        self._layerwise = False   # decided when the KV cache is registered
         self._loads: _StepLoads | None = None         # this step's layer reads
         self._saves: dict[str, list[Future]] = {}     # req id -> its save batches
         self._finishing: set[str] = set()             # finished requests with saves out
@@ -254,11 +254,7 @@ class StoreWorker:
 
     @staticmethod
     def _collect(loads: _StepLoads, layer_name: str) -> None:
-        read = loads.layers.pop(layer_name)
-        if read in loads.collected:
-            return
-        loads.collected.add(read)
-        results, ended = read.result()
+        results, ended = loads.layers.pop(layer_name).result()   # a whole read: done once
         loads.ended = max(loads.ended, ended)
         for block, r in zip(loads.blocks, results):
             if isinstance(r, Exception):
