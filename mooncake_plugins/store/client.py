@@ -848,6 +848,10 @@ class StoreClient(DerivedForms):
                 self._rpc.call("unmount_segment", client_id=self.client_id, segment=self.segment_name)
             except MooncakeError as exc:
                 log.warning("unmount of %s failed: %s", self.segment_name, exc)
+        try:   # the master forgets us now instead of reporting missed heartbeats
+            self._rpc.call("unregister_client", client_id=self.client_id)
+        except MooncakeError as exc:
+            log.info("the master was not told that client %s closed: %s", self.client_id, exc)
         self._release(self.engine)
 
     def _release(self, engine: TransferEngine | None) -> None:

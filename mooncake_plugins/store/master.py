@@ -343,6 +343,19 @@ class MasterService:
             else:
                 c.last_seen, c.confirmed = self._clock(), True
 
+    def unregister_client(self, client_id: str) -> None:
+        """A client that is closing: forget it now, not a heartbeat TTL later (that is
+        for clients that died). Its unfinished tasks fail, its copies are cancelled and its
+        segments go as with an unmount; an unknown client is no error (it expired first)."""
+        with self._lock:
+            c = self._clients.pop(client_id, None)
+            if c is None:
+                return
+            self.tasks.fail_client(client_id, "its client closed")
+            self._cancel_copies(self._clock(), set(), {client_id})
+            self._drop_segments(set(c.segments))
+        log.info("client %s closed", client_id)
+
     def heartbeat(self, client_id: str) -> None:
         """Refresh a client's TTL. Raises ClientNotFound when it expired (it must remount)."""
         with self._lock:

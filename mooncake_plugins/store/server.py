@@ -260,6 +260,7 @@ class MasterServer:
         return {
             "register_client": ({"client_id": str, "host_id": str}, register_client),
             "heartbeat": (cid, heartbeat),
+            "unregister_client": (cid, self._durable(s.unregister_client)),
             "create_copy_task": ({"key": str, "targets": ListOf(str)},
                                  lambda key, targets: list(s.create_copy_task(key, targets))),
             "create_move_task": ({"key": str, "source": str, "target": str},

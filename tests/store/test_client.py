@@ -183,6 +183,26 @@ def test_a_connected_client_is_kept_while_its_heartbeats_lag(master):
         c.close()
 
 
+def test_a_closed_client_is_forgotten_at_once_not_expired(master):
+    """close() tells the master: the client and its segment go now, and the master's
+    count of expired clients (clients that died) stays at zero."""
+    keep = StoreClient(master.address, global_segment_size=1 << 20)
+    c = StoreClient(master.address, global_segment_size=1 << 20)
+    try:
+        c.put("theirs", b"v", ReplicateConfig(preferred_segments=[c.segment_name]))
+        keep.put("kept", b"w", ReplicateConfig(preferred_segments=[keep.segment_name]))
+        assert master.service.stats()["clients"] == 2
+        c.close()
+        stats = master.service.stats()
+        assert (stats["clients"], stats["segments"]) == (1, 1)
+        assert not keep.exists("theirs") and keep.get("kept") == b"w"
+        time.sleep(2 * master.service.config.client_ttl_s)
+        assert master.service.stats()["expired_clients"] == 0
+    finally:
+        c.close()
+        keep.close()
+
+
 def test_client_reregisters_after_expiry(master):
     c = StoreClient(master.address, global_segment_size=1 << 20)
     try:

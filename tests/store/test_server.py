@@ -50,6 +50,7 @@ def frame(obj):
     frame([1, "put_start", {"client_id": "c", "keys": ["k"], "sizes": [1],
                             "config": {"bogus": 1}}]),
     frame([1, "remove", {"keys": ["k"], "force": "yes"}]),
+    frame([1, "unregister_client", {"client_id": 5}]),
 ], ids=lambda d: d[:12].hex())
 def test_malformed_rpc_frames_close_only_that_connection(master, data, caplog):
     assert raw(master.port, data) == b""

@@ -411,3 +411,27 @@ def test_deeply_nested_drain_body_is_a_bad_request(admin_master, caplog):
     with err.value as reply:
         assert reply.code == 400 and b'"error_code": -600' in reply.read()
     assert any("refused" in r.getMessage() for r in caplog.records)
+
+
+def test_a_client_that_closes_fails_its_tasks_cancels_its_copies_and_unmounts():
+    """unregister_client (a client's close): what a client death does, at once."""
+    clock = _Clock()
+    m = _service(clock, put_start_discard_timeout_s=300, task_processing_timeout_s=60)
+    m.register_client("c2", "host2")
+    m.mount_segment("c2", "seg2", 3 << 32, 8 * MiB)
+    _put(m, "on-seg1", MiB, "seg1", client="c1")
+    _put(m, "k", MiB, "seg0")
+    task = m.create_copy_task("k", ["seg2"])
+    assert len(m.tasks.take("c0")) == 1
+    m.replica_start("c1", "k", "seg0", ["seg2"], move=False)   # c1 copies k to seg2
+    m.unregister_client("c1")
+    assert "seg1" not in m._segments and not m.exist("on-seg1")
+    assert "k" not in m._copies and m.get("k")[0] == MiB     # cancelled; k keeps its replica
+    assert m.stats()["clients"] == 2 and m.stats()["expired_clients"] == 0
+    m.unregister_client("c0")
+    assert m.tasks.status(task) == tasks.FAILED and not m.exist("k")
+    clock.t += 301                                  # the cancelled copy's space comes back
+    m.heartbeat("c2")
+    m.reap()
+    assert _used(m, "seg2") == 0
+    m.unregister_client("c1")                       # twice, or after expiry: no error
