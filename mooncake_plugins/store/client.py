@@ -831,7 +831,8 @@ class StoreClient(DerivedForms):
 
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
-        """Unmount the segment (its objects' replicas go), stop heartbeats, release memory."""
+        """Unregister from the master (the segment is unmounted: its objects' replicas go),
+        stop heartbeats, release memory."""
         if self._closed:
             return
         self._closed = True
@@ -843,15 +844,14 @@ class StoreClient(DerivedForms):
             runner.shutdown(wait=True, cancel_futures=True)
         if self._offloader is not None:
             self._offloader.shutdown(wait=True)  # its last writes still report to the master
-        if self._segment is not None:
-            try:
-                self._rpc.call("unmount_segment", client_id=self.client_id, segment=self.segment_name)
-            except MooncakeError as exc:
-                log.warning("unmount of %s failed: %s", self.segment_name, exc)
-        try:   # the master forgets us now instead of reporting missed heartbeats
+        try:   # the master unmounts our segment and forgets us now, not a TTL later
             self._rpc.call("unregister_client", client_id=self.client_id)
         except MooncakeError as exc:
-            log.info("the master was not told that client %s closed: %s", self.client_id, exc)
+            if self._segment is not None:
+                log.warning("unmount of %s failed: %s", self.segment_name, exc)
+            else:
+                log.info("the master was not told that client %s closed: %s",
+                         self.client_id, exc)
         self._release(self.engine)
 
     def _release(self, engine: TransferEngine | None) -> None:
