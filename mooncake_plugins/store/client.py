@@ -32,6 +32,10 @@ from .rpc import RpcClient
 
 log = logging.getLogger(__name__)
 
+_SAME_TERM_RETRY_S = 2.0
+"""After losing an HA master, how long a client waits for a new term before it tries the
+failed term's master once more (a connection may have broken under a live leader)."""
+
 
 @dataclass
 class ReplicateConfig:
@@ -210,12 +214,13 @@ class StoreClient(DerivedForms):
         self._transfer_timeout_s = transfer_timeout_s
         self._failover_timeout_s = failover_timeout_s
         self._ha: tuple[str, str] | None = None
+        self._term = 0   # HA: the leader term of the master behind self._rpc
         if master_address.startswith("etcd://"):
-            from .ha import current_leader, wait_for_leader
+            from .ha import find_leader, wait_for_leader
 
             self._ha = (master_address[len("etcd://"):], cluster_id)
-            leader = current_leader(*self._ha) or wait_for_leader(*self._ha, timeout_s=rpc_timeout_s)
-            master_address = leader
+            leader = find_leader(*self._ha) or wait_for_leader(*self._ha, timeout_s=rpc_timeout_s)
+            master_address, self._term = leader.address, leader.term
         self._rpc = RpcClient(*_split(master_address), timeout_s=rpc_timeout_s)
         self._rpc_lock = threading.Lock()
         self._failover_run: _Failover | None = None   # guarded by _rpc_lock
@@ -238,7 +243,7 @@ class StoreClient(DerivedForms):
                 engine = TransferEngine(local_hostname, metadata_server, config=cfg)
             self.engine = engine
             self._segment = engine.allocate(global_segment_size) if global_segment_size else None
-            info = self._register(self._rpc)
+            info = self._register_first()
         except BaseException:
             self._release(engine)
             raise
@@ -276,6 +281,60 @@ class StoreClient(DerivedForms):
                 pass  # another of our threads remounted it a moment ago
         return info
 
+    def _register_first(self) -> dict:
+        """Register with the master found at start; under HA, with the next term's leader
+        when that one is gone (its stale address was still published)."""
+        try:
+            return self._register(self._rpc)
+        except (RpcFailed, RpcTimeout, NotSupported):
+            if self._ha is None:
+                raise
+        stale = self._rpc
+        self._rpc, self._term, info = self._follow_leader(self._term, self._rpc_timeout_s)
+        stale.close()
+        return info
+
+    def _follow_leader(self, exclude_term: int, timeout_s: float) -> tuple[RpcClient, int, dict]:
+        """HA: register with the leader of a term other than ``exclude_term``, at any address
+        (a master restarted in place wins a new term at its old one); blocking.
+
+        ``exclude_term``'s master is tried once more if no other term is published within
+        ``_SAME_TERM_RETRY_S`` (it may still lead). A leader that does not take us is passed
+        over for the next term. Returns the registered connection, its term and the reply.
+        """
+        from .ha import LeaderWaitTimeout, find_leader, wait_for_leader
+
+        assert self._ha is not None
+        deadline = time.monotonic() + timeout_s
+        retried = False
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                leader = wait_for_leader(*self._ha, exclude_term=exclude_term, stop=self._stop,
+                                         timeout_s=remaining if retried
+                                         else min(remaining, _SAME_TERM_RETRY_S))
+            except LeaderWaitTimeout:
+                if retried or self._stop.is_set() or time.monotonic() >= deadline:
+                    raise
+                retried = True
+                found = find_leader(*self._ha)
+                if found is None or found.term != exclude_term:
+                    continue
+                leader = found
+            rpc = RpcClient(*_split(leader.address), timeout_s=self._rpc_timeout_s)
+            try:
+                return rpc, leader.term, self._register(rpc)
+            except (RpcFailed, RpcTimeout, NotSupported) as exc:
+                rpc.close()
+                if time.monotonic() >= deadline or self._stop.is_set():
+                    raise
+                log.warning("store master %s (term %d) did not take this client: %s; "
+                            "waiting for the next term", leader.address, leader.term, exc)
+                exclude_term = leader.term
+            except BaseException:
+                rpc.close()
+                raise
+
     def _failover(self, failed: RpcClient, unreachable: bool) -> None:
         """Register again: with the same master when it forgot us, else (HA) with the new leader.
 
@@ -287,6 +346,7 @@ class StoreClient(DerivedForms):
         with self._rpc_lock:
             if self._rpc is not failed:
                 return  # another thread moved to a new master already
+            failed_term = self._term
             run = self._failover_run
             mine = run is None
             if mine:
@@ -297,23 +357,16 @@ class StoreClient(DerivedForms):
                 raise type(run.error)(str(run.error)) from run.error
             return
         try:
-            rpc = failed
+            rpc, term = failed, failed_term
             if unreachable and self._ha is not None:
-                from .ha import wait_for_leader
-
-                leader = wait_for_leader(*self._ha, timeout_s=self._failover_timeout_s,
-                                         exclude=failed.address, stop=self._stop)
-                log.warning("store master moved: %s -> %s", failed.address, leader)
-                rpc = RpcClient(*_split(leader), timeout_s=self._rpc_timeout_s)
-            try:
+                rpc, term, _ = self._follow_leader(failed_term, self._failover_timeout_s)
+                log.warning("store master: %s (term %d) -> %s (term %d)", failed.address,
+                            failed_term, rpc.address, term)
+            else:
                 self._register(rpc)
-            except BaseException:
-                if rpc is not failed:
-                    rpc.close()
-                raise
             with self._rpc_lock:
                 if rpc is not failed:
-                    self._rpc = rpc
+                    self._rpc, self._term = rpc, term
                 closed = self._closed
             if rpc is not failed:
                 failed.close()

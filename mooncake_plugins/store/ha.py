@@ -5,7 +5,11 @@ leader is whoever created the key :func:`leader_key` (value: its ``candidate_add
 with an etcd transaction "create if ``create_revision == 0``", with its own lease attached. A
 daemon thread refreshes the lease every ``ttl_s / 3``; when the leader dies the lease expires,
 etcd deletes the key, and a waiting candidate (watching the key) creates it. Clients find the
-leader with :func:`current_leader` and, after losing it, :func:`wait_for_leader`.
+leader with :func:`find_leader` and, after losing it, :func:`wait_for_leader`.
+
+A leader is identified by its term, the etcd revision that created the key, not by its
+address: a master killed and restarted with the same command (same address) that wins again
+is a new term, which clients follow like any other.
 
 Safety: a leader counts itself leader only while its last successful refresh (timed from when
 the request was sent) is younger than ``ttl_s``, and it gives up once refreshes have failed for
@@ -43,9 +47,11 @@ from mooncake_plugins.errors import InvalidArgument, MetadataError
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "Leader",
     "LeaderElection",
     "LeaderWaitTimeout",
     "current_leader",
+    "find_leader",
     "leader_key",
     "parse_etcd_endpoints",
     "wait_for_leader",
@@ -62,7 +68,16 @@ _FAILOVER_ERRORS = (ConnectionFailedError, ConnectionTimeoutError, InternalServe
 
 
 class LeaderWaitTimeout(MetadataError, TimeoutError):
-    """No leader (other than the excluded one) was published in etcd before the deadline."""
+    """No leader (other than the excluded term) was published in etcd before the deadline."""
+
+
+@dataclass(frozen=True)
+class Leader:
+    """A published leader: where clients reach it, and its term (the etcd revision that
+    created the leader key; each election makes a new one, whatever the address)."""
+
+    address: str
+    term: int
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,6 +196,7 @@ class _KeyState:
     revision: int
     value: bytes | None = None
     lease_id: int = 0
+    create_revision: int = 0    # the term of the leader that holds the key
 
 
 class _EtcdCluster:
@@ -281,6 +297,7 @@ class _EtcdCluster:
             if kvs:
                 state.value = _unb64(kvs[0].get("value", ""))
                 state.lease_id = int(kvs[0].get("lease", 0))
+                state.create_revision = int(kvs[0].get("create_revision", 0))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MetadataError(f"etcd {self.names}: {op}: unusable reply {reply!r:.300}") from exc
         return state
@@ -664,8 +681,8 @@ class LeaderElection:
 # Client side: find and follow the leader
 # --------------------------------------------------------------------------------------------
 
-def current_leader(etcd_endpoints: str, cluster_id: str) -> str | None:
-    """Return the published leader's ``candidate_address``, or None; blocking (one read).
+def find_leader(etcd_endpoints: str, cluster_id: str) -> Leader | None:
+    """Return the published leader (address and term), or None; blocking (one read).
 
     Raises:
         InvalidArgument: bad endpoints or cluster_id.
@@ -674,19 +691,38 @@ def current_leader(etcd_endpoints: str, cluster_id: str) -> str | None:
     key = leader_key(cluster_id).encode("utf-8")
     cluster = _EtcdCluster(parse_etcd_endpoints(etcd_endpoints))
     try:
-        state = cluster.read_key(key, "leader lookup")
+        return _leader(cluster.read_key(key, "leader lookup"))
     finally:
         cluster.close()
-    return None if state.value is None else state.value.decode("utf-8", "replace")
+
+
+def _leader(state: _KeyState) -> Leader | None:
+    if state.value is None:
+        return None
+    return Leader(state.value.decode("utf-8", "replace"), state.create_revision)
+
+
+def current_leader(etcd_endpoints: str, cluster_id: str) -> str | None:
+    """Return the published leader's ``candidate_address``, or None; blocking (one read).
+
+    Raises:
+        InvalidArgument: bad endpoints or cluster_id.
+        MetadataError: no endpoint answered.
+    """
+    leader = find_leader(etcd_endpoints, cluster_id)
+    return None if leader is None else leader.address
 
 
 def wait_for_leader(etcd_endpoints: str, cluster_id: str, timeout_s: float,
-                    exclude: str | None = None, stop: threading.Event | None = None) -> str:
-    """Block until a leader other than ``exclude`` is published, and return its address.
+                    exclude_term: int | None = None,
+                    stop: threading.Event | None = None) -> Leader:
+    """Block until a leader of another term than ``exclude_term`` is published; return it.
 
-    A client that lost its master passes the old address as ``exclude`` so it does not get the
-    stale key back before the old lease expires. Watches the key, so a new leader is seen at once.
-    Setting ``stop`` ends the wait within about half a second (as the deadline would).
+    A client that lost its master passes that master's term as ``exclude_term`` so it does not
+    get the stale key back before the old lease expires; a new term is taken at any address,
+    the old one included (a master restarted in place). Watches the key, so a new leader is
+    seen at once. Setting ``stop`` ends the wait within about half a second (as the deadline
+    would).
 
     Raises:
         InvalidArgument: bad endpoints, cluster_id or timeout.
@@ -703,18 +739,17 @@ def wait_for_leader(etcd_endpoints: str, cluster_id: str, timeout_s: float,
     try:
         while True:
             state = cluster.read_key(key, "leader lookup")
-            if state.value is not None:
-                address = state.value.decode("utf-8", "replace")
-                if address != exclude:
-                    return address
+            leader = _leader(state)
+            if leader is not None and leader.term != exclude_term:
+                return leader
             remaining = deadline - time.monotonic()
             if stop is not None and stop.is_set():
                 raise LeaderWaitTimeout(f"stopped waiting for a leader of cluster {cluster_id!r}")
             if remaining <= 0:
-                seen = "none" if state.value is None else repr(state.value.decode("utf-8",
-                                                                                   "replace"))
+                seen = "none" if leader is None else f"{leader.address!r} (term {leader.term})"
+                other = "" if exclude_term is None else f" of a term other than {exclude_term}"
                 raise LeaderWaitTimeout(
-                    f"no leader of cluster {cluster_id!r} other than {exclude!r} was published in "
+                    f"no leader{other} of cluster {cluster_id!r} was published in "
                     f"etcd {cluster.names} within {timeout_s} s (current: {seen}); check that a "
                     "master runs with HA enabled and the same cluster_id")
             cluster.watch_slice(key, state.revision + 1, min(_WATCH_SLICE_S, remaining))

@@ -65,6 +65,10 @@ class MasterConfig:
     max_kv_soft_pin_ttl_ms: int = 24 * 60 * 60 * 1000
     allow_evict_soft_pinned_objects: bool = True
     client_ttl_s: float = 10.0
+    restored_client_grace_s: float = 0.0
+    """How long the owner of a segment restored from the journal (a new leader, a restarted
+    master) has to heartbeat or register before its segments are dropped; 0: three client
+    TTLs. Its clients are finding the new master meanwhile: one TTL is not a fair chance."""
     put_start_discard_timeout_s: float = 30.0
     stripe_nbytes: int = 16 << 20
     enable_offload: bool = False
@@ -93,6 +97,8 @@ class MasterConfig:
             raise InvalidParams("default_kv_soft_pin_ttl must be in [0, max_kv_soft_pin_ttl]")
         if self.default_kv_lease_ttl_ms <= 0 or self.client_ttl_s <= 0:
             raise InvalidParams("lease and client TTLs must be > 0")
+        if self.restored_client_grace_s < 0:
+            raise InvalidParams("restored_client_grace_s must be >= 0")
         if self.replica_repair_concurrency < 0:
             raise InvalidParams("replica_repair_concurrency must be >= 0")
         if self.stripe_nbytes < 4096:
@@ -282,7 +288,7 @@ class MasterService:
 
         The segments' owners are known again but unconfirmed: no new data is placed on
         their segments until they heartbeat or register, and those that stay silent for
-        ``client_ttl_s`` are dropped as usual. Replicas on unknown segments are dropped;
+        ``restored_client_grace_s`` (three client TTLs by default) are dropped as usual. Replicas on unknown segments are dropped;
         objects left with fewer replicas than they should have are queued for repair.
         """
         with self._lock:
@@ -1183,12 +1189,20 @@ class MasterService:
         abandoned puts, free space whose lease ended, advance drains and repairs."""
         with self._lock:
             now = self._clock()
-            dead = [c for c in self._clients.values() if now - c.last_seen > self.config.client_ttl_s]
+            ttl = self.config.client_ttl_s
+            grace = self.config.restored_client_grace_s or 3 * ttl
+            dead = [c for c in self._clients.values()
+                    if now - c.last_seen > (ttl if c.confirmed else grace)]
             self._cancel_copies(now, set(self.tasks.expire()), {c.client_id for c in dead})
             for c in dead:
                 self.tasks.fail_client(c.client_id, "its client stopped sending heartbeats")
-                log.warning("client %s missed heartbeats for %.1f s: dropping its segments %s",
-                            c.client_id, now - c.last_seen, sorted(c.segments))
+                if c.confirmed:
+                    log.warning("client %s missed heartbeats for %.1f s: dropping its segments "
+                                "%s", c.client_id, now - c.last_seen, sorted(c.segments))
+                else:
+                    log.warning("client %s did not come back within %.1f s of the recovery: "
+                                "dropping its segments %s", c.client_id, now - c.last_seen,
+                                sorted(c.segments))
                 self._drop_segments(set(c.segments), repair=True)
                 del self._clients[c.client_id]
                 self.counters["expired_clients"] += 1

@@ -52,10 +52,10 @@ def _await_recovery(load: Load, killed_at: float) -> float:
 class Candidate:
     """An HA master process; it prints READY once it leads."""
 
-    def __init__(self, endpoints: str, cluster: str) -> None:
+    def __init__(self, endpoints: str, cluster: str, port: int = 0) -> None:
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            MASTER + ["--rpc_port", str(free_port()), "--metrics_port", "0", "--enable_ha",
+            MASTER + ["--rpc_port", str(port or free_port()), "--metrics_port", "0", "--enable_ha",
                       "--etcd_endpoints", endpoints, "--cluster_id", cluster],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.stderr,
             start_new_session=True)
@@ -87,8 +87,8 @@ def candidates(etcd_server: str) -> Iterator:
     cluster = f"durable-{uuid.uuid4().hex[:8]}"
     started: list[Candidate] = []
 
-    def start() -> Candidate:
-        started.append(Candidate(endpoints, cluster))
+    def start(port: int = 0) -> Candidate:
+        started.append(Candidate(endpoints, cluster, port))
         return started[-1]
 
     start.endpoints, start.cluster = endpoints, cluster  # type: ignore[attr-defined]
@@ -128,6 +128,41 @@ def test_leader_kill_under_load_loses_no_acknowledged_object(candidates, nodes) 
     finally:
         client.close()
     print(f"\nHA failover (recovery s, objects acknowledged, recovered, load s): {report}")
+
+
+@pytest.mark.etcd
+@pytest.mark.slow
+def test_leader_restarted_on_its_own_address_loses_nothing(candidates, nodes) -> None:
+    """kill -9 of the leader, restarted with the same command (same port) as under systemd or
+    Kubernetes: it wins the next term at the address of the last one. Clients and holders
+    must follow the new term there, and the holders' segments outlive the recovery."""
+    port = free_port()
+    leader = candidates(port)
+    leader.wait_leading(30)
+    master = f"etcd://{candidates.endpoints}"
+    for _ in range(2):
+        nodes(master, "--cluster_id", candidates.cluster, "--segment", str(64 << 20))
+    client = StoreClient(master, cluster_id=candidates.cluster, global_segment_size=0,
+                         rpc_timeout_s=5, failover_timeout_s=RECOVERY_TIMEOUT_S)
+    report = []
+    try:
+        with Load(client) as load:
+            for _ in range(3):
+                before = len(load.acked)
+                assert wait_until(lambda: len(load.acked) >= before + 100, 20)
+                killed_at = time.monotonic()
+                _kill(leader.proc)
+                leader = candidates(port)
+                leader.wait_leading(RECOVERY_TIMEOUT_S)
+                recovery_s = _await_recovery(load, killed_at)
+                report.append((round(recovery_s, 2), load.check()))
+                # the holders came back to the new term (none was dropped as silent)
+                leader.stderr.seek(0)
+                assert b"missed heartbeats" not in leader.stderr.read()
+            assert load.check() > 300
+    finally:
+        client.close()
+    print(f"\nleader restarted on its address (recovery s, objects acknowledged): {report}")
 
 
 @pytest.mark.slow
@@ -221,6 +256,44 @@ def test_restored_index_keeps_objects_and_their_space(tmp_path) -> None:
         for i in range(8):  # the space of k3 and after the objects, never theirs
             _, a, n = s2.put_start("w", f"x{i}", 9000, PutConfig())[0][0]
             assert all(a + n <= ka or ka + kn <= a for _, ka, kn in kept)
+    finally:
+        journal2.close()
+
+
+def test_restored_segment_owners_get_three_ttls_to_come_back(tmp_path) -> None:
+    """A new leader's clients are still finding it: segments restored from the journal are
+    kept for three client TTLs (not one) unless their owner heartbeats or registers."""
+    s, journal = _service(str(tmp_path))   # client TTL 5 s
+    for owner in ("back", "gone"):
+        s.register_client(owner, "h")
+        s.mount_segment(owner, f"seg-{owner}", 1 << 20, 1 << 20)
+        s.put_start(owner, f"obj-{owner}", 1000, PutConfig(preferred_segments=[f"seg-{owner}"]))
+        s.put_end(owner, f"obj-{owner}")
+    journal.wait(journal.seq)
+    journal.close()
+
+    now = [1000.0]
+    journal2 = Journal(FileJournal(str(tmp_path)))
+    s2 = MasterService(MasterConfig(client_ttl_s=5), clock=lambda: now[0])
+    try:
+        s2.restore(journal2.backend.load())
+        now[0] += 6       # one TTL after the recovery: nobody is dropped yet
+        s2.reap()
+        assert s2.exist("obj-back") and s2.exist("obj-gone")
+        s2.heartbeat("back")
+        now[0] += 4
+        s2.heartbeat("back")
+        now[0] += 4       # 14 s: "gone" is still within its 15 s
+        s2.reap()
+        assert s2.exist("obj-gone") and s2.stats()["segments"] == 2
+        s2.heartbeat("back")
+        now[0] += 2       # 16 s: "gone" never came back; "back" beats like any client
+        s2.reap()
+        assert s2.exist("obj-back") and not s2.exist("obj-gone")
+        assert s2.stats()["segments"] == 1 and s2.counters["expired_clients"] == 1
+        now[0] += 6       # a confirmed owner has one TTL, as always
+        s2.reap()
+        assert not s2.exist("obj-back") and s2.stats()["segments"] == 0
     finally:
         journal2.close()
 

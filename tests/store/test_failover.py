@@ -8,7 +8,7 @@ import uuid
 from typing import Callable, Iterator
 
 import pytest
-from helpers import free_port
+from helpers import free_port, wait_until
 
 from mooncake_plugins.errors import MooncakeError
 from mooncake_plugins.store.client import StoreClient
@@ -16,7 +16,8 @@ from mooncake_plugins.store.ha import LeaderWaitTimeout
 from mooncake_plugins.store.master import MasterConfig
 from mooncake_plugins.store.server import MasterServer, ServerOptions
 
-FAILOVER_TIMEOUT_S = 4.0
+LONG_FAILOVER_S = 15.0
+SHORT_FAILOVER_S = 4.0
 
 
 class _Call:
@@ -64,41 +65,62 @@ def ha_masters(etcd_server: str) -> Iterator[Callable[[], MasterServer]]:
 @pytest.mark.etcd
 def test_failover_is_shared_and_does_not_hold_up_close(ha_masters) -> None:
     first = ha_masters()
-    client = StoreClient(f"etcd://{ha_masters.endpoints}", cluster_id=ha_masters.cluster,
-                         global_segment_size=1 << 20, rpc_timeout_s=2,
-                         failover_timeout_s=FAILOVER_TIMEOUT_S)
+    master = f"etcd://{ha_masters.endpoints}"
+    # a long failover timeout: waking "at once" and "at close" are told apart from it
+    client = StoreClient(master, cluster_id=ha_masters.cluster, global_segment_size=1 << 20,
+                         rpc_timeout_s=2, failover_timeout_s=LONG_FAILOVER_S)
+    short = None
     try:
         client.put("k", b"v")
         first.close()  # resigns: no leader until the next one starts
 
         # Two threads fail over at once; both go on as soon as a new leader serves.
         calls = [_Call(lambda: client.exists("k")) for _ in range(2)]
-        time.sleep(0.3)
+        assert wait_until(lambda: client._failover_run is not None, 10)
         assert all(c.thread.is_alive() for c in calls)
         second = ha_masters()
         elected = time.monotonic()
         # the new leader starts from what the first one wrote to etcd: "k" is still there
-        assert [c.join(FAILOVER_TIMEOUT_S + 5) for c in calls] == [True, True]
-        assert max(c.ended for c in calls) - elected < 2.0
+        assert [c.join(LONG_FAILOVER_S + 5) for c in calls] == [True, True]
+        assert max(c.ended for c in calls) - elected < LONG_FAILOVER_S / 3
         assert client.master_address == second.address
 
         # No leader comes: every waiting thread gets the one failover's error, after one
         # timeout (not one timeout each, one after the other).
+        short = StoreClient(master, cluster_id=ha_masters.cluster, global_segment_size=0,
+                            rpc_timeout_s=2, failover_timeout_s=SHORT_FAILOVER_S)
         second.close()
         started = time.monotonic()
-        calls = [_Call(lambda: client.exists("k")) for _ in range(3)]
-        results = [c.join(FAILOVER_TIMEOUT_S + 10) for c in calls]
+        calls = [_Call(lambda: short.exists("k")) for _ in range(3)]
+        results = [c.join(3 * SHORT_FAILOVER_S + 10) for c in calls]
         assert all(isinstance(r, LeaderWaitTimeout) for r in results), results
-        assert max(c.ended for c in calls) - started < FAILOVER_TIMEOUT_S + 2.0
+        assert max(c.ended for c in calls) - started < 2 * SHORT_FAILOVER_S
 
         # close() while a call waits for a leader: both end at once.
         waiting = _Call(lambda: client.exists("k"))
-        time.sleep(0.3)
-        assert waiting.thread.is_alive()
+        assert wait_until(lambda: client._failover_run is not None, 10)
         closing = time.monotonic()
         client.close()
-        assert time.monotonic() - closing < 2.0
-        assert isinstance(waiting.join(2.0), MooncakeError)
-        assert waiting.ended - closing < 2.0
+        assert time.monotonic() - closing < LONG_FAILOVER_S / 3
+        assert isinstance(waiting.join(LONG_FAILOVER_S), MooncakeError)
+        assert waiting.ended - closing < LONG_FAILOVER_S / 3
     finally:
         client.close()
+        if short is not None:
+            short.close()
+
+
+@pytest.mark.etcd
+def test_a_broken_connection_to_a_live_leader_is_mended(ha_masters) -> None:
+    """A call that fails while the leader lives on (no new term comes) goes back to that
+    leader after a short wait, instead of waiting for another leader until it times out."""
+    leader = ha_masters()
+    with StoreClient(f"etcd://{ha_masters.endpoints}", cluster_id=ha_masters.cluster,
+                     global_segment_size=1 << 20, rpc_timeout_s=2,
+                     failover_timeout_s=LONG_FAILOVER_S) as client:
+        client.put("k", b"v")
+        client._rpc.close()   # its connection is gone; the master is not
+        started = time.monotonic()
+        assert client.exists("k")
+        assert time.monotonic() - started < LONG_FAILOVER_S / 3
+        assert client.master_address == leader.address
