@@ -1,4 +1,5 @@
-"""Test helpers: readiness waits, free ports and child process groups.
+"""Test helpers: readiness waits, free ports, child process groups, and the skip that
+fails instead under ``MOONCAKE_CI=1`` (:func:`skip_or_fail`, :func:`require_module`).
 
 Children are started in their own session (process group) so that
 :func:`terminate_group` ends them together with anything they spawned.
@@ -7,6 +8,7 @@ Children are started in their own session (process group) so that
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -20,7 +22,8 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO
+from types import ModuleType
+from typing import IO, NoReturn
 
 _log = logging.getLogger(__name__)
 
@@ -232,3 +235,28 @@ def live_children() -> set[int]:
         if fields[1] == me and fields[0] != "Z":  # fields: state, ppid, ...
             out.add(int(entry))
     return out
+
+
+def in_ci() -> bool:
+    """Whether this is a CI run (``MOONCAKE_CI=1``), where every test must run."""
+    return os.environ.get("MOONCAKE_CI") == "1"
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip the calling test (or module) with ``reason``; under ``MOONCAKE_CI=1`` fail it
+    instead: CI provides everything the tests need, so a test that cannot run there is
+    a broken CI setup, not a skip."""
+    import pytest
+
+    if in_ci():
+        pytest.fail(f"MOONCAKE_CI=1 and {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require_module(name: str, reason: str) -> ModuleType:
+    """Import ``name``, or :func:`skip_or_fail` with ``reason`` when it cannot be imported."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        error = str(exc)
+    skip_or_fail(f"{reason} ({error})")

@@ -18,7 +18,9 @@ import threading
 import time
 
 from ..config import EngineConfig
+from ..errors import MooncakeError
 from ..transfer import OpCode, TransferEngine, TransferRequest
+from ._args import ArgumentParser
 
 UNITS = {"GB": 1e9, "GiB": 2 ** 30, "Gb": 1e9 / 8, "MB": 1e6, "MiB": 2 ** 20, "Mb": 1e6 / 8,
          "KB": 1e3, "KiB": 2 ** 10, "Kb": 1e3 / 8}
@@ -30,8 +32,8 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mooncake-transfer-bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="mooncake-transfer-bench", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=["target", "initiator"], required=True)
     ap.add_argument("--metadata_server", default="P2PHANDSHAKE",
                     help="P2PHANDSHAKE, http://h:p/metadata, etcd://h:p or redis://h:p")
@@ -129,9 +131,13 @@ def run_initiator(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.mode == "target":
-        return run_target(args)
-    r = run_initiator(args)
+    try:
+        if args.mode == "target":
+            return run_target(args)
+        r = run_initiator(args)
+    except MooncakeError as exc:  # a bad address, an unreachable target or metadata server
+        print(f"mooncake-transfer-bench: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(r))
     else:

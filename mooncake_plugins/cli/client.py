@@ -21,6 +21,7 @@ import threading
 from ..errors import MooncakeError
 from ..store.client import StoreClient
 from ..store.local import DEFAULT_PORT, DummyHost
+from ._args import ArgumentParser, host_port, install_hint, os_reason, port
 
 log = logging.getLogger("mooncake_plugins.cli.client")
 
@@ -50,20 +51,26 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).replace("I", "")])
 
 
+def _master_address(text: str) -> str:
+    """``host:port`` (port 1..65535), or an ``etcd://`` URL that the client resolves."""
+    return text if text.startswith("etcd://") else host_port(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mooncake_client", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="mooncake_client", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     flag = lambda name, **kw: ap.add_argument(f"--{name}", **kw)  # noqa: E731
     b = dict(type=_bool, nargs="?", const=True, default=False)
     flag("host", default="0.0.0.0", help="the transfer engine's hostname (its data port)")
-    flag("port", type=int, default=DEFAULT_PORT, help="port the dummy clients connect to")
+    flag("port", type=port, default=DEFAULT_PORT, help="port the dummy clients connect to")
     flag("rpc_host", default="127.0.0.1",
          help="address the dummy clients' RPC listens on (default: loopback only; dummies "
               "run on this machine). The RPC is unauthenticated and can remove every object "
               "(docs/trust-model.md): to expose it, pass a private interface's address, or "
               "0.0.0.0 for all interfaces, behind a firewall")
     flag("metadata_server", default="http://127.0.0.1:8080/metadata")
-    flag("master_server_address", default="127.0.0.1:50051")
+    flag("master_server_address", type=_master_address, default="127.0.0.1:50051",
+         help="host:port of the master, or etcd://host:port[;host:port] for an HA cluster")
     flag("protocol", default="tcp", help="tcp (same-host peers use shared memory); rdma falls back to tcp")
     flag("device_names", default="", help="RDMA devices (unused: no RDMA here)")
     flag("global_segment_size", type=parse_size, default=parse_size("4 GB"))
@@ -74,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("enable_offload", **b)
     flag("start_offload_rpc_server", type=_bool, nargs="?", const=True, default=True)
     flag("enable_http_server", **b)
-    flag("http_port", type=int, default=9300)
+    flag("http_port", type=port, default=9300)
     flag("log_level", default="INFO")
     return ap
 
@@ -103,12 +110,17 @@ def main(argv: list[str] | None = None) -> int:
                              metadata_server=args.metadata_server,
                              global_segment_size=args.global_segment_size, protocol=protocol)
     except (MooncakeError, MemoryError, OSError) as exc:
-        print(f"cannot set up the store client: {exc}", file=sys.stderr)
+        print(f"mooncake_client: cannot set up the store client: {exc}", file=sys.stderr)
+        return 1
+    except ImportError as exc:  # a broken install: the etcd client is a dependency
+        print(f"mooncake_client: cannot set up the store client: {exc}: {install_hint(exc)}",
+              file=sys.stderr)
         return 1
     try:
         host = DummyHost(client, args.rpc_host, args.port)
     except (MooncakeError, OSError) as exc:
-        print(f"cannot serve on {args.rpc_host}:{args.port}: {exc}", file=sys.stderr)
+        print(f"mooncake_client: cannot serve dummy clients on {args.rpc_host}:{args.port} "
+              f"(--rpc_host, --port): {os_reason(exc)}", file=sys.stderr)
         client.close()
         return 1
     stop = threading.Event()

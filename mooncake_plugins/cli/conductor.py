@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from mooncake_plugins.cli._args import ArgumentParser
 from mooncake_plugins.conductor.policies import POLICY_NAMES, Policy, Slo, make_policy
 from mooncake_plugins.conductor.sim import (CapacityResult, ClusterConfig, SimResult,
                                             find_capacity, simulate)
@@ -31,7 +32,7 @@ _RATE_FACTORS = (0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mooncake-sim",
         description="Replay a Mooncake JSONL trace on a simulated prefill/decode cluster.")
     parser.add_argument("trace", help="trace file (JSON Lines: timestamp, input_length, "

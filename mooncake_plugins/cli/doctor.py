@@ -18,6 +18,8 @@ import sys
 from typing import Any
 from urllib.parse import urlsplit
 
+from ._args import ArgumentParser
+
 ORIGINAL_DISTS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda",
                   "mooncake-transfer-engine-cuda13")
 DEFAULT_PROBES = ("http://127.0.0.1:8080/metadata", "etcd://127.0.0.1:2379",
@@ -85,10 +87,14 @@ def probe(url: str, timeout_s: float) -> tuple[str, str]:
     defaults = {"http": 80, "etcd": 2379, "redis": 6379, "master": 50051}
     if scheme not in defaults or not parts.hostname:
         return url, "not a metadata URL (http://, etcd://, redis://, master://, P2PHANDSHAKE)"
+    try:
+        port = parts.port or defaults[scheme]
+    except ValueError as exc:  # urlsplit checks the port only when asked for it
+        return url, f"bad port: {exc}"
     client_lib = {"etcd": "etcd3gw", "redis": "redis"}.get(scheme)
     if client_lib and importlib.util.find_spec(client_lib) is None:
         return url, f"client library missing: pip install 'mooncake_plugins[{scheme}]'"
-    return url, _reachable(parts.hostname, parts.port or defaults[scheme], timeout_s)
+    return url, _reachable(parts.hostname, port, timeout_s)
 
 
 def doctor(urls: list[str], timeout_s: float) -> int:
@@ -116,8 +122,8 @@ def doctor(urls: list[str], timeout_s: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mooncake-plugins", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="mooncake-plugins", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="what `import mooncake` gives and what this host can do")
     doc.add_argument("urls", nargs="*", default=list(DEFAULT_PROBES),

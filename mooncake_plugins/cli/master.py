@@ -17,6 +17,7 @@ the files it named there itself.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -27,9 +28,10 @@ import threading
 from typing import Any, Callable
 
 from .. import __version__
-from ..errors import InvalidParams
+from ..errors import InvalidParams, MooncakeError
 from ..store.master import MasterConfig
 from ..store.server import MasterServer, ServerOptions
+from ._args import ArgumentParser, install_hint, os_reason, port
 
 # Flags of the original without an effect here, by reason: "type:name" words.
 _INERT_GROUPS = {
@@ -126,12 +128,12 @@ _TYPES: dict[str, Callable[[str], Any]] = {"bool": _bool, "int": int, "float": f
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mooncake-master", description=__doc__, add_help=False,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="mooncake-master", description=__doc__, add_help=False,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     flag = lambda name, **kw: ap.add_argument(f"--{name}", **kw)  # noqa: E731
     b = dict(type=_bool, nargs="?", const=True)
-    flag("rpc_port", type=int, default=None, help="RPC port (default 50051; 0 picks a free one)")
-    flag("port", type=int, default=None, help="deprecated alias of --rpc_port")
+    flag("rpc_port", type=port, default=None, help="RPC port (default 50051; 0 picks a free one)")
+    flag("port", type=port, default=None, help="deprecated alias of --rpc_port")
     flag("rpc_address", default="127.0.0.1", help="address to bind and advertise")
     flag("allocation_strategy", default="random", choices=["random", "free_ratio_first", "local_first"])
     flag("eviction_high_watermark_ratio", type=float, default=0.95)
@@ -142,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
          help="the longest soft pin a put may ask for")
     flag("allow_evict_soft_pinned_objects", **b, default=True)
     flag("client_ttl", type=float, default=10.0, help="seconds without heartbeat before a client is dropped")
+    flag("restored_client_grace", type=float, default=0.0,
+         help="ours: seconds the owner of a segment restored from the journal has to come back "
+         "before it is dropped (0: three --client_ttl)")
     flag("put_start_discard_timeout_sec", type=float, default=30.0)
     flag("stripe_size", type=int, default=16 << 20, help="objects above this are striped over segments")
     flag("enable_offload", **b, default=False,
@@ -164,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
          "loss, not only a crash of the master; costs a device flush per commit)")
     flag("enable_http_metadata_server", **b, default=False)
     flag("http_metadata_server_host", default=None, help="default: --rpc_address")
-    flag("http_metadata_server_port", type=int, default=8080)
+    flag("http_metadata_server_port", type=port, default=8080)
     flag("metrics_host", default=None, help="metrics/admin HTTP address (default: --rpc_address)")
-    flag("metrics_port", type=int, default=9003, help="metrics/admin HTTP port (0: a free one)")
+    flag("metrics_port", type=port, default=9003, help="metrics/admin HTTP port (0: a free one)")
     flag("enable_metric_reporting", **b, default=True, help="log a stats line every 10 s")
     flag("pending_task_timeout_sec", type=float, default=300.0, help="0: no timeout")
     flag("processing_task_timeout_sec", type=float, default=300.0, help="0: no timeout")
@@ -236,13 +241,18 @@ def _expand(argv: list[str], known: set[str], bools: set[str]) -> list[str]:
     for i, a in enumerate(args):
         name = _name(a) if a.startswith("--") else ""
         if name == "flagfile" and _value(args, i):
-            with open(_value(args, i), encoding="utf-8") as f:
-                extra += _normalize([ln.strip() for ln in f if ln.strip().startswith("-")], bools)
+            try:
+                with open(_value(args, i), encoding="utf-8") as f:
+                    lines = [ln.strip() for ln in f if ln.strip().startswith("-")]
+            except OSError as exc:
+                raise SystemExit(f"mooncake-master: --flagfile {_value(args, i)}: "
+                                 f"{exc.strerror or exc}") from None
+            extra += _normalize(lines, bools)
         elif name in ("fromenv", "tryfromenv"):
             for flag_name in filter(None, _value(args, i).split(",")):
                 env = os.environ.get(f"FLAGS_{flag_name}")
                 if env is None and name == "fromenv":
-                    raise SystemExit(f"--fromenv: FLAGS_{flag_name} is not set")
+                    raise SystemExit(f"mooncake-master: --fromenv: FLAGS_{flag_name} is not set")
                 if env is not None:
                     extra.append(f"--{flag_name}={env}")
     args = extra + args
@@ -271,14 +281,23 @@ def _apply_config_file(ap: argparse.ArgumentParser, path: str, known: set[str]) 
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"--config_path {path}: {exc} (a JSON object of flag values is expected)")
-    if not isinstance(doc, dict) or set(doc) - known:
-        raise SystemExit(f"--config_path {path}: unknown keys {sorted(set(doc) - known)}")
+        raise SystemExit(f"mooncake-master: --config_path {path}: {exc} (a JSON object of flag "
+                         f"values is expected)")
+    if not isinstance(doc, dict):
+        raise SystemExit(f"mooncake-master: --config_path {path}: a JSON object of flag values "
+                         f"is expected")
+    if set(doc) - known:
+        raise SystemExit(f"mooncake-master: --config_path {path}: unknown keys "
+                         f"{sorted(set(doc) - known)}")
     for action in ap._actions:
         if action.dest in doc:
             v = doc[action.dest]
             convert = action.type if action.type is not None and not isinstance(v, bool) else None
-            ap.set_defaults(**{action.dest: convert(str(v)) if convert else v})
+            try:
+                ap.set_defaults(**{action.dest: convert(str(v)) if convert else v})
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                raise SystemExit(f"mooncake-master: --config_path {path}: {action.dest}: "
+                                 f"{exc}") from None
 
 
 def _report_inert(ns: argparse.Namespace) -> None:
@@ -293,6 +312,35 @@ def _log_level(ns: argparse.Namespace) -> str:
     if ns.minloglevel is not None:
         return ("INFO", "WARNING", "ERROR", "CRITICAL")[max(0, min(ns.minloglevel, 3))]
     return ns.log_level.upper()
+
+
+def _start_error(server: MasterServer, options: ServerOptions, exc: BaseException) -> str:
+    """One line for a failed start, naming the flags of the listener that failed.
+
+    ``MasterServer.start`` opens the embedded metadata server, the metrics HTTP and the RPC
+    port in that order; the first of them that is still missing is the one that failed.
+    """
+    # (attribute set once listening, port, address (None: --rpc_address's), their flags)
+    listeners = [("_metadata", options.http_metadata_port, options.http_metadata_host,
+                  "--http_metadata_server_host", "--http_metadata_server_port"),
+                 ("_metrics", options.metrics_port, options.metrics_host, "--metrics_host",
+                  "--metrics_port"),
+                 ("_rpc", options.rpc_port, None, "--rpc_address", "--rpc_port")]
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    for attr, port_number, host, host_flag, port_flag in listeners:
+        if port_number is None or getattr(server, attr, None) is not None:
+            continue
+        if not isinstance(cause, OSError):
+            break
+        if not host:
+            host, host_flag = options.host, "--rpc_address"
+        reason = os_reason(cause)
+        if cause.errno == errno.EADDRINUSE:
+            return (f"cannot listen on {host}:{port_number} ({port_flag}): {reason}; "
+                    f"pick another {port_flag} (0 picks a free port)")
+        return (f"cannot listen on {host}:{port_number} ({port_flag}, address from "
+                f"{host_flag}): {reason}")
+    return f"cannot start: {exc}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     rpc_port = args.rpc_port if args.rpc_port is not None else (args.port if args.port is not None else 50051)
+    if args.enable_ha and rpc_port == 0:
+        print("--enable_ha needs a fixed --rpc_port: the leader advertises it in etcd",
+              file=sys.stderr)
+        return 2
     config = MasterConfig(
         allocation_strategy=args.allocation_strategy,
         eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
@@ -325,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         default_kv_soft_pin_ttl_ms=args.default_kv_soft_pin_ttl,
         max_kv_soft_pin_ttl_ms=args.max_kv_soft_pin_ttl,
         allow_evict_soft_pinned_objects=args.allow_evict_soft_pinned_objects,
-        client_ttl_s=args.client_ttl, put_start_discard_timeout_s=args.put_start_discard_timeout_sec,
+        client_ttl_s=args.client_ttl, restored_client_grace_s=args.restored_client_grace,
+        put_start_discard_timeout_s=args.put_start_discard_timeout_sec,
         stripe_nbytes=args.stripe_size, enable_offload=args.enable_offload or bool(args.root_fs_dir),
         root_fs_dir=args.root_fs_dir, persist_puts=bool(args.root_fs_dir) and not args.enable_offload,
         task_pending_timeout_s=args.pending_task_timeout_sec,
@@ -355,8 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if not server.start(stop=stop):
                 return 0
-        except OSError as exc:
-            print(f"mooncake-master: cannot listen: {exc}", file=sys.stderr)
+        except ImportError as exc:  # a broken install: etcd3gw is a dependency
+            print(f"mooncake-master: cannot start: {exc}: {install_hint(exc)}", file=sys.stderr)
+            return 1
+        except (OSError, MooncakeError) as exc:
+            print(f"mooncake-master: {_start_error(server, options, exc)}", file=sys.stderr)
             return 1
         print(f"READY {server.port}", flush=True)
         while not stop.wait(0.2):

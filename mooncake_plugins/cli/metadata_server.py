@@ -13,6 +13,7 @@ import sys
 import threading
 from types import FrameType
 
+from mooncake_plugins.cli._args import ArgumentParser, port
 from mooncake_plugins.errors import InvalidArgument, MetadataError
 from mooncake_plugins.transfer.metadata import MetadataServer
 from mooncake_plugins.transfer.metadata.http import (DEFAULT_MAX_CONNECTIONS,
@@ -20,13 +21,13 @@ from mooncake_plugins.transfer.metadata.http import (DEFAULT_MAX_CONNECTIONS,
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mooncake-metadata-server",
         description="HTTP metadata server for the Mooncake Transfer Engine "
                     "(use http://HOST:PORT/metadata as the metadata URL).")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8080,
+    parser.add_argument("--port", type=port, default=8080,
                         help="TCP port, 0 picks a free one (default: %(default)s)")
     parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_STORE_NBYTES,
                         help="room for keys and values; writes past it get 507 "

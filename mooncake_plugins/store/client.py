@@ -117,7 +117,7 @@ class _Failover:
 
 def _split(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidParams(f"master address must be host:port or etcd://..., got {address!r}")
     return host.strip("[]"), int(port)
 

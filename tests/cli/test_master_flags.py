@@ -1,14 +1,17 @@
 """``mooncake_master`` takes every flag of the original, in gflags' spellings."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
-from helpers import free_port, spawn_ready, terminate_group
+from helpers import free_port, skip_or_fail, spawn_ready, terminate_group
 
+from mooncake_plugins.cli._args import port
 from mooncake_plugins.cli.master import _INERT, _bool, parse_args
 
 # Every flag the original 0.3.13 mooncake_master lists in --helpfull.
@@ -58,7 +61,7 @@ def _arg(parser_types: dict, name: str) -> str:
     kind = parser_types[name]
     if kind is _bool:
         return f"--{name}"
-    value = _VALUES.get(name, {int: "3", float: "0.5"}.get(kind, "x"))
+    value = _VALUES.get(name, {int: "3", float: "0.5", port: "3"}.get(kind, "x"))
     return f"--{name}={value}"
 
 
@@ -111,11 +114,19 @@ def test_every_inert_flag_has_a_reason():
     assert not set(_INERT) - set(ORIGINAL_FLAGS)
 
 
+def console_script(name: str) -> str:
+    """The installed console script ``name``: beside this interpreter (a venv that is not
+    activated), else on PATH; skips (fails under MOONCAKE_CI=1) when it is not installed."""
+    beside = Path(sys.executable).parent / name
+    path = str(beside) if os.access(beside, os.X_OK) else shutil.which(name)
+    if path is None:
+        skip_or_fail(f"console script {name} is not installed (pip install -e .)")
+    return path
+
+
 @pytest.mark.parametrize("exe", ["mooncake_master", "mooncake-master"])
 def test_version(exe):
-    path = shutil.which(exe)
-    if path is None:
-        pytest.skip(f"{exe} is not installed")
+    path = console_script(exe)
     res = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and "version" in res.stdout
 
@@ -161,3 +172,11 @@ def test_root_fs_dir_alone_keeps_every_put_on_disk(tmp_path):
         assert not (tmp_path / offload.relative_name("kept")).exists()
     finally:
         terminate_group(proc)
+
+
+def test_restored_client_grace_reaches_the_master_config(capsys) -> None:
+    from mooncake_plugins.cli.master import main
+
+    assert parse_args(["--restored_client_grace=45"]).restored_client_grace == 45.0
+    assert main(["--restored_client_grace=-1", "--rpc_port=0"]) == 2
+    assert "restored_client_grace_s must be >= 0" in capsys.readouterr().err

@@ -9,8 +9,10 @@ import struct
 from typing import Iterator
 
 import pytest
+from helpers import require_module
 
-torch = pytest.importorskip("torch", reason="torch is not installed (.ci/run installs the CPU wheel)")
+torch = require_module("torch", "torch is not installed (pip install torch==2.13.0, the CPU wheel "
+                                "that .ci/run installs)")
 
 from mooncake_plugins.compat.store import MooncakeDistributedStore, ReplicateConfig  # noqa: E402
 from mooncake_plugins.store import tensors as T  # noqa: E402

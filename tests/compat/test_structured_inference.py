@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-import torch
+from helpers import require_module
 
 from mooncake_plugins.store.structured import (
     MAX_DEPTH,
@@ -21,6 +21,13 @@ from mooncake_plugins.store.structured import (
     escape_key,
     infer_structure,
 )
+
+
+@pytest.fixture
+def torch():
+    """torch for the tensor cases; the rest of this file needs none (CI has the CPU wheel)."""
+    return require_module("torch", "torch is not installed (pip install torch==2.13.0, "
+                                   "the CPU wheel that .ci/run installs)")
 
 
 def infer(rows, path="r"):
@@ -38,8 +45,13 @@ def nest(levels):
 
 # --- leaf codecs ---------------------------------------------------------------------
 
+def test_accepted_tensor_codec(torch):
+    d = choose_leaf_codec([torch.ones(2, 3), torch.zeros(5)])
+    assert (d.accepted, d.codec) == (True, "ragged_tensor")
+    assert d.metadata == {"dtype": "torch.float32"}
+
+
 @pytest.mark.parametrize("rows, codec, meta", [
-    ([torch.ones(2, 3), torch.zeros(5)], "ragged_tensor", {"dtype": "torch.float32"}),
     ([np.arange(3), np.ones(2)], "typed_ragged", {"recursive_source": "ndarray"}),
     ([[1, 2, 3], (4.5,), []], "typed_ragged", {"dtype": "float64"}),
     ([1, True, 3], "ndarray", {"dtype": "int64"}),
@@ -61,12 +73,10 @@ def test_accepted_codecs(rows, codec, meta):
 @pytest.mark.parametrize("rows, codec, reason", [
     ([], "msgpack_ragged", "all rows are null"),
     ([None, MISSING], "msgpack_ragged", "all rows are null"),
-    ([torch.ones(1), torch.ones(1, dtype=torch.int64)], "ragged_tensor", "mixed tensor dtype"),
     ([np.array(["s"]), np.array([1])], "msgpack_ragged", "object ndarray rows"),
     ([2 ** 70, 1], "ndarray", "integer out of range for int64"),
     ([300, np.int8(1)], "ndarray", "integer out of range for int8"),
     ([1, "a"], "msgpack_ragged", "no codec matched"),
-    ([torch.ones(1), [1.0]], "msgpack_ragged", "no codec matched"),
     ([{"ok": 1}] * 200 + [object()], "msgpack_ragged", "no codec matched"),
 ])
 def test_rejected_codecs(rows, codec, reason):
@@ -76,7 +86,15 @@ def test_rejected_codecs(rows, codec, reason):
     assert d.reason.startswith(reason)
 
 
-def test_tensor_shapes_may_differ_but_not_dtypes():
+@pytest.mark.parametrize("rows, codec, reason", [
+    (lambda t: [t.ones(1), t.ones(1, dtype=t.int64)], "ragged_tensor", "mixed tensor dtype"),
+    (lambda t: [t.ones(1), [1.0]], "msgpack_ragged", "no codec matched"),
+])
+def test_rejected_tensor_codecs(torch, rows, codec, reason):
+    test_rejected_codecs(rows(torch), codec, reason)
+
+
+def test_tensor_shapes_may_differ_but_not_dtypes(torch):
     assert choose_leaf_codec([torch.ones(1), torch.ones(2, 2), None]).accepted
     assert not choose_leaf_codec([torch.ones(1), torch.ones(1, dtype=torch.float16)]).accepted
 
@@ -133,7 +151,7 @@ def test_what_stays_a_leaf():
     assert mixed[1] == [] and mixed[0][0].decision.codec == "msgpack_ragged"
 
 
-def test_dict_of_tensors():
+def test_dict_of_tensors(torch):
     rows = [{"t": torch.arange(2), "s": 1.0}, {"t": torch.arange(3), "s": None}]
     leaves, nodes = infer(rows)
     codecs = {leaf.path: leaf.decision.codec for leaf in leaves}

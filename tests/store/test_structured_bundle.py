@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import require_module
 
 from mooncake.dataproto_catalog import DataProtoCatalog, DataProtoCatalogTransfer
 from mooncake.structured_object_store import (BundleTransferPolicy, MooncakeBundleTransfer,
@@ -14,7 +15,8 @@ from mooncake.structured_object_store import (BundleTransferPolicy, MooncakeBund
                                               import_dataproto_ref)
 from mooncake_plugins.compat.store import MooncakeDistributedStore
 
-torch = pytest.importorskip("torch")
+torch = require_module("torch", "torch is not installed (pip install torch==2.13.0, the CPU wheel "
+                                "that .ci/run installs)")
 
 
 @pytest.fixture

@@ -1,8 +1,10 @@
 """CPU torch tensors: registered with the engine, stored and read back through the store."""
 
 import pytest
+from helpers import require_module
 
-torch = pytest.importorskip("torch", reason="torch is not installed (.ci/run installs the CPU wheel)")
+torch = require_module("torch", "torch is not installed (pip install torch==2.13.0, the CPU wheel "
+                                "that .ci/run installs)")
 
 from mooncake_plugins.compat.store import MooncakeDistributedStore  # noqa: E402
 from mooncake_plugins.config import EngineConfig  # noqa: E402

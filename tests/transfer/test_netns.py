@@ -13,7 +13,7 @@ import shutil
 import subprocess
 
 import pytest
-from helpers import wait_until
+from helpers import skip_or_fail, wait_until
 
 pytestmark = [pytest.mark.netns, pytest.mark.root]
 
@@ -27,7 +27,7 @@ def ip(*args, check=True):
 @pytest.fixture
 def two_hosts():
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to create network namespaces")
+        skip_or_fail("needs root and iproute2 to create network namespaces")
     tag = f"{os.getpid() % 100000}"
     a, b = f"mca{tag}", f"mcb{tag}"
     third = os.getpid() % 250 + 1
@@ -35,7 +35,7 @@ def two_hosts():
     try:
         probe = ip("netns", "add", a, check=False)
         if probe.returncode != 0:
-            pytest.skip(f"the kernel refused a network namespace: {probe.stderr.strip()}")
+            skip_or_fail(f"the kernel refused a network namespace: {probe.stderr.strip()}")
         ip("netns", "add", b)
         ip("link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
         ip("link", "set", f"va{tag}", "netns", a)

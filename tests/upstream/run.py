@@ -9,16 +9,18 @@ with the same flags, the mooncake_client host), ports, environment and arguments
 runs in a network namespace of its own (``unshare --net``: loopback and a veth pair), so the
 fixed ports never collide with anything else on the machine and no traffic leaves it.
 
-The original's code is not part of this repository: pass a checkout with ``--src``, set
-``MOONCAKE_UPSTREAM_SRC``, or have a git mirror at ``MOONCAKE_UPSTREAM_GIT`` (default
-``/work/.mirror/kvcache-ai+Mooncake/repo``) from which the test files are extracted.
+The original's code is not part of this repository. Its ``mooncake-wheel/tests`` and
+``scripts`` at a pinned commit are in ``../shared/upstream/mooncake`` beside the clone (CI
+has it; see the README there), the default; ``--src`` or ``MOONCAKE_UPSTREAM_SRC`` name
+another copy (e.g. a checkout of kvcache-ai/Mooncake). Both folders are copied to a
+temporary directory for the run, so the source stays untouched (it may be read-only).
 
     python tests/upstream/run.py                        # our package, all 21
     python tests/upstream/run.py -k dummy -v            # a subset, with each file's output
     python tests/upstream/run.py --python /path/to/venv/bin/python   # e.g. the original wheel
 
 Prints a table and writes JSON (``--json``); exits 1 when a file fails (other than those
-listed with ``--known-failing``), 3 when no copy of the original's tests is available.
+listed with ``--known-failing``), 3 when no copy of the original's tests is found.
 "passed, some skipped" is the test file's own skip (e.g. a CUDA-only case), as on the
 original wheel.
 """
@@ -37,7 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_GIT = "/work/.mirror/kvcache-ai+Mooncake/repo"
+DEFAULT_SRC = Path(__file__).resolve().parents[2].parent / "shared" / "upstream" / "mooncake"
+SOURCE_DIRS = ("mooncake-wheel/tests", "scripts")  # what the specs below run, under the source
 META = "http://127.0.0.1:8080/metadata"
 # run_tests.sh: every store test gets these
 RUN_TESTS_ENV = {"MC_METADATA_SERVER": META, "DEFAULT_KV_LEASE_TTL": "500", "MC_STORE_MEMCPY": "false"}
@@ -112,18 +115,28 @@ SPECS = [
 ]
 
 
-def find_source(src: str | None) -> Path | None:
-    """A directory holding the original's tests, extracted from a git mirror if need be."""
-    src = src or os.environ.get("MOONCAKE_UPSTREAM_SRC")
-    if src:
-        return Path(src)
-    git_dir = os.environ.get("MOONCAKE_UPSTREAM_GIT", DEFAULT_GIT)
-    if not Path(git_dir).is_dir():
-        return None
+def find_source(src: str | None) -> Path:
+    """Where the original's tests are: ``src``, else ``MOONCAKE_UPSTREAM_SRC``, else
+    ``../shared/upstream/mooncake`` beside the clone (whether it holds them is
+    :func:`missing`'s question)."""
+    return Path(src or os.environ.get("MOONCAKE_UPSTREAM_SRC") or DEFAULT_SRC)
+
+
+def missing(src: Path) -> list[str]:
+    """The folders of :data:`SOURCE_DIRS` that ``src`` lacks."""
+    return [d for d in SOURCE_DIRS if not (src / d).is_dir()]
+
+
+def stage(src: Path) -> Path:
+    """A writable copy of the test folders (the tests write beside themselves, and so
+    does Python's bytecode cache); the caller removes it."""
     out = Path(tempfile.mkdtemp(prefix="mooncake-upstream-"))
-    archive = subprocess.run(["git", f"--git-dir={git_dir}", "archive", "HEAD",
-                              "mooncake-wheel/tests", "scripts"], capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    for d in SOURCE_DIRS:
+        # files without the source's modes (read-only there); folders get theirs back below
+        shutil.copytree(src / d, out / d, ignore=shutil.ignore_patterns("__pycache__"),
+                        copy_function=shutil.copyfile)
+    for folder, _, _ in os.walk(out):
+        os.chmod(folder, 0o755)
     return out
 
 
@@ -228,7 +241,9 @@ def summarize(rc: int, output: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--src", help="checkout of kvcache-ai/Mooncake (default: see above)")
+    ap.add_argument("--src", help="a checkout of kvcache-ai/Mooncake, or any folder with its "
+                                  "mooncake-wheel/tests and scripts (default: "
+                                  "../shared/upstream/mooncake beside the clone)")
     ap.add_argument("--python", default=sys.executable,
                     help="interpreter whose environment has the mooncake package and its CLIs")
     ap.add_argument("-k", dest="only", default="", help="comma-separated name substrings")
@@ -249,11 +264,25 @@ def main() -> int:
         return rc
 
     src = find_source(a.src)
-    if src is None:
-        print("upstream tests: NOT RUN, no copy of kvcache-ai/Mooncake "
-              "(set MOONCAKE_UPSTREAM_SRC or MOONCAKE_UPSTREAM_GIT)", file=sys.stderr)
+    if missing(src):
+        print(f"upstream tests: NOT RUN: {src} lacks {', '.join(missing(src))} (the default is "
+              f"../shared/upstream/mooncake beside the clone; --src or MOONCAKE_UPSTREAM_SRC "
+              f"name another copy)", file=sys.stderr)
         return 3
     wanted = [s for s in SPECS if not a.only or any(k in s.name for k in a.only.split(","))]
+    if not wanted:
+        print(f"upstream tests: -k {a.only!r} names none of: "
+              f"{', '.join(s.name for s in SPECS)}", file=sys.stderr)
+        return 2
+    staged = stage(src)
+    try:
+        return _run_all(a, wanted, staged)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def _run_all(a: argparse.Namespace, wanted: list[Spec], src: Path) -> int:
+    """Each spec in a network namespace of its own; the table, then the exit status."""
     results = []
     for spec in wanted:
         logdir = Path(tempfile.mkdtemp(prefix=f"mooncake-upstream-{spec.name}-"))

@@ -4,7 +4,7 @@ A :class:`MetadataStore` maps string keys to opaque byte values (segment descrip
 and lists the keys under a prefix.
 :func:`from_url` picks a backend from a connection string in the original Mooncake's
 forms; each backend module is imported only when its scheme is first used, so redis-py
-and etcd3gw are optional dependencies.
+is an optional dependency (``mooncake_plugins[redis]``; etcd3gw comes with the base install).
 """
 
 from __future__ import annotations
@@ -383,5 +383,5 @@ def from_url(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> MetadataStore | 
     except ImportError as exc:
         raise MetadataError(
             f"metadata URL {target.url}: the {target.scheme} backend is unavailable "
-            f"({exc}); install mooncake_plugins[{target.scheme}]") from exc
+            f"({exc}): pip install 'mooncake_plugins[{target.scheme}]'") from exc
     return cls.from_target(target, timeout_s)
