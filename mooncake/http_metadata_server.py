@@ -22,6 +22,7 @@ from enum import Enum
 from types import FrameType
 from typing import Any
 
+from mooncake_plugins.cli._args import ArgumentParser, port
 from mooncake_plugins.errors import InvalidArgument, MetadataError
 from mooncake_plugins.transfer.metadata.http import MetadataServer, Refused
 
@@ -118,10 +119,10 @@ class KVBootstrapServer:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mooncake_http_metadata_server", description="HTTP Metadata Server for Mooncake",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--port", type=int, default=8080, help="Port to listen on")
+    parser.add_argument("--port", type=port, default=8080, help="Port to listen on")
     parser.add_argument("--host", default="0.0.0.0", help="Host to bind to")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],

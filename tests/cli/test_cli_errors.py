@@ -12,6 +12,7 @@ import sys
 import pytest
 from helpers import free_port
 
+from mooncake import http_metadata_server
 from mooncake_plugins.cli import client, doctor, master, metadata_server
 
 HINT = "for all flags"
@@ -41,6 +42,7 @@ PORT_FLAGS = [pytest.param(main, flag, id=f"{name}{flag}") for name, main, flags
                                    "--http_metadata_server_port"]),
     ("client", client.main, ["--port", "--http_port"]),
     ("metadata_server", metadata_server.main, ["--port"]),
+    ("mooncake_http_metadata_server", http_metadata_server.parse_args, ["--port"]),
 ] for flag in flags]
 
 
