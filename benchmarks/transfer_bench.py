@@ -7,6 +7,11 @@ Rows, all measured in this one run with the same block size, batch size and thre
   ours tcp/shm   mooncake-transfer-bench target + initiator processes
   original tcp   mooncake-transfer-engine-non-cuda==0.3.13.post1 in its own venv
                  (benchmarks/.venv-orig, created on first use; needs Debian libibverbs1)
+  api tcp 16x4M  ours through the original's API (mooncake.engine), MC_TRANSPORTS=tcp:
+                 batch_transfer_sync_write of 16 blocks of 4 MiB, one thread, against
+                 the raw tcp row of the same run. --only api-tcp runs just these two and
+                 a raw tcp row whose blocks rotate through 64 MiB as the API row's do
+                 (the raw row reuses one 4 MiB buffer, which stays in cache)
 Prints a table and writes JSON to benchmarks/results/transfer_bench.json.
 """
 
@@ -59,13 +64,15 @@ def memcpy_gbps(duration_s: float) -> float:
 
 RAW_RECEIVER = textwrap.dedent("""
     import socket, sys
-    block = int(sys.argv[1])
+    block, span = int(sys.argv[1]), int(sys.argv[2])
     srv = socket.create_server(("127.0.0.1", 0))
     print(srv.getsockname()[1], flush=True)
     conn, _ = srv.accept()
-    buf = memoryview(bytearray(block))
+    whole = memoryview(bytearray(span))
     total = 0
     while True:
+        off = total % span
+        buf = whole[off:off + block]
         got = 0
         while got < block:
             n = conn.recv_into(buf[got:], block - got)
@@ -77,16 +84,20 @@ RAW_RECEIVER = textwrap.dedent("""
 """)
 
 
-def raw_tcp_gbps(block: int, duration_s: float) -> float:
-    rx = subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, str(block)], stdout=subprocess.PIPE,
-                          text=True)
+def raw_tcp_gbps(block: int, duration_s: float, span: int = 0) -> float:
+    """One connection sending ``block`` after ``block``; with ``span``, the blocks rotate
+    through ``span`` bytes on both sides (the memory footprint of a workload's blocks)."""
+    span = span or block
+    rx = subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, str(block), str(span)],
+                          stdout=subprocess.PIPE, text=True)
     try:
         port = int(rx.stdout.readline())
-        data = bytes(block)
+        data = memoryview(bytearray(b"\x5a" * span))
         with socket.create_connection(("127.0.0.1", port)) as s:
             n, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < duration_s:
-                s.sendall(data)
+                off = n % span
+                s.sendall(data[off:off + block])
                 n += block
             s.shutdown(socket.SHUT_WR)
             received = int(rx.stdout.readline())
@@ -179,6 +190,53 @@ ORIG_INITIATOR = textwrap.dedent("""
 """)
 
 
+API_TARGET = textwrap.dedent("""
+    import sys, time
+    from mooncake.engine import TransferEngine
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    addr = te.allocate_managed_buffer(int(sys.argv[1]))
+    assert addr
+    print("READY", te.get_rpc_port(), addr, flush=True)
+    while True:
+        time.sleep(3600)
+""")
+
+API_INITIATOR = textwrap.dedent("""
+    import json, sys, time
+    from mooncake.engine import TransferEngine
+    port, raddr, block, count, duration = sys.argv[1:6]
+    raddr, block, count = int(raddr), int(block), int(count)
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    local = te.allocate_managed_buffer(block * count)
+    seg = "127.0.0.1:" + port
+    srcs = [local + i * block for i in range(count)]
+    dsts = [raddr + i * block for i in range(count)]
+    assert te.batch_transfer_sync_write(seg, srcs, dsts, [block] * count) == 0  # warm-up
+    n, t0 = 0, time.perf_counter()
+    deadline = t0 + float(duration)
+    while time.perf_counter() < deadline:
+        assert te.batch_transfer_sync_write(seg, srcs, dsts, [block] * count) == 0
+        n += block * count
+    print(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}))
+""")
+
+
+def api_tcp_gbps(a: argparse.Namespace, block: int = 4 << 20, count: int = 16) -> float:
+    """Ours through mooncake.engine's API, tcp only: ``count`` writes of ``block`` per call."""
+    env = {**os.environ, "MC_TRANSPORTS": "tcp"}
+    target, (port, raddr) = start_ready([sys.executable, "-c", API_TARGET, str(block * count)], env)
+    try:
+        out = subprocess.run([sys.executable, "-c", API_INITIATOR, port, raddr, str(block),
+                              str(count), str(a.duration)], check=True, capture_output=True,
+                             text=True, env=env, timeout=a.duration * 10 + 60).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        return r["bytes"] / r["seconds"] / 1e9
+    finally:
+        stop(target)
+
+
 def ensure_original() -> Path | None:
     py = ORIG_VENV / "bin" / "python"
     check = [str(py), "-c", "import mooncake.engine, numpy"]
@@ -220,30 +278,47 @@ def main() -> None:
     ap.add_argument("--buffer", type=int, default=256 << 20, help="registered bytes per side")
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per row")
     ap.add_argument("--skip-original", action="store_true")
-    ap.add_argument("--out", default=str(HERE / "results" / "transfer_bench.json"))
+    ap.add_argument("--only", choices=["api-tcp"],
+                    help="api-tcp: just the raw tcp and api tcp 16x4M rows")
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/transfer_bench.json, "
+                    "or transfer_bench_api_tcp.json with --only api-tcp)")
     a = ap.parse_args()
+    if a.out is None:
+        a.out = str(HERE / "results" / ("transfer_bench.json" if a.only is None
+                                        else "transfer_bench_api_tcp.json"))
 
     rows: list[dict] = []
-    log("memcpy ...")
-    rows.append({"name": "memcpy (numpy, 1 thread)", "op": "copy", "gbps": memcpy_gbps(a.duration)})
+    full = a.only is None
+    if full:
+        log("memcpy ...")
+        rows.append({"name": "memcpy (numpy, 1 thread)", "op": "copy",
+                     "gbps": memcpy_gbps(a.duration)})
     log("raw tcp ...")
-    rows.append({"name": "raw tcp (python socket, 1 conn)", "op": "write",
-                 "gbps": raw_tcp_gbps(a.block, a.duration)})
-    for proto in ("tcp", "shm"):
+    raw_row = {"name": "raw tcp (python socket, 1 conn)", "op": "write",
+               "gbps": raw_tcp_gbps(a.block, a.duration)}
+    rows.append(raw_row)
+    if not full:
+        log("raw tcp, 64 MiB footprint ...")
+        rows.append({"name": "raw tcp (blocks rotate in 64 MiB)", "op": "write",
+                     "gbps": raw_tcp_gbps(4 << 20, a.duration, span=64 << 20)})
+    log("ours api tcp 16x4M write ...")
+    rows.append({"name": "ours api tcp 16x4MiB (1 thread)", "op": "write",
+                 "gbps": api_tcp_gbps(a)})
+    for proto in ("tcp", "shm") if full else ():
         for op in ("read", "write"):
             log(f"ours {proto} {op} ...")
             r = ours_gbps(proto, op, a)
             rows.append({"name": f"ours {proto}", "op": op, "gbps": r["bytes"] / r["seconds"] / 1e9,
                          "batch_latency_us": r["batch_latency_us"]})
-    py = None if a.skip_original else ensure_original()
+    py = None if a.skip_original or not full else ensure_original()
     orig: dict[str, float] = {}
     if py:
         for op in ("read", "write"):
             log(f"original tcp {op} ...")
             orig[op] = original_gbps(py, op, a)
             rows.append({"name": "original 0.3.13.post1 tcp", "op": op, "gbps": orig[op]})
-    memcpy = rows[0]["gbps"]
-    raw = rows[1]["gbps"]
+    memcpy = rows[0]["gbps"] if full else 0.0
+    raw = raw_row["gbps"]
     for r in rows:
         if r["name"].startswith("ours"):
             ceiling = raw if "tcp" in r["name"] else memcpy

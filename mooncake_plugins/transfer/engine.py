@@ -489,9 +489,13 @@ class TransferEngine:
             batch.slices_done(list(refused.items()))
         tasks = []
         first, budget = 0, 0
+        # one task's slices go to one execute_many; tcp pipelines them on one connection
+        # (task_nbytes), up to an equal share of the batch per worker
+        group = max(step, min(getattr(paths[0], "task_nbytes", 0),
+                              -(-batch.nbytes // self.config.workers)))
         for i, s in enumerate(slices):
             budget += s[4]
-            if budget >= step or i + 1 - first >= 64 or i + 1 == len(slices):
+            if budget >= group or i + 1 - first >= 64 or i + 1 == len(slices):
                 tasks.append((slices[first:i + 1], regions[first:i + 1]))
                 first, budget = i + 1, 0
         if batch.nbytes <= self.config.inline_nbytes:
@@ -567,9 +571,13 @@ class TransferEngine:
         try:
             paths[0].execute_many(peer, task)
             return [(s[0], None) for s in task]
-        except (MooncakeError, OSError):
+        except (MooncakeError, OSError) as exc:
+            done = getattr(exc, "completed", ())  # positions the transport did move
             results: list[tuple[int, MooncakeError | None]] = []
-            for index, op, local, remote, n in task:
+            for pos, (index, op, local, remote, n) in enumerate(task):
+                if pos in done:
+                    results.append((index, None))
+                    continue
                 try:
                     self._run_slice(peer, paths, op, local, remote, n)
                     results.append((index, None))
