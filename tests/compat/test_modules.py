@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -210,12 +209,14 @@ def test_blocked_acquire_wakes_on_release(store: MooncakeDistributedStore) -> No
     pool = buffer_pool.BufferPool(store, max_bytes=LOCAL)
     held = pool.acquire(LOCAL)
     got = []
-    waiter = threading.Thread(target=lambda: got.append(pool.acquire(LOCAL, timeout=5)))
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(LOCAL, timeout=60)))
     waiter.start()
-    time.sleep(0.1)
-    assert not got
+    # counted under the pool's lock just before the acquire waits for room: the waiter
+    # is then waiting (stats() takes that lock, which the waiting acquire has let go)
+    assert wait_until(lambda: pool._pool.stats()["waits"] >= 1 or not waiter.is_alive(), 30)
+    assert not got and waiter.is_alive() and pool._pool.stats()["waits"] == 1
     held.release()
-    waiter.join(5)
+    waiter.join(30)
     assert got and got[0].size == LOCAL
     got[0].release()
     pool.close()

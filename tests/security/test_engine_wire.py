@@ -23,7 +23,7 @@ from helpers import terminate_group, wait_until
 from rawnet import closed_by_peer, connect, exchange, recv_exact
 
 from mooncake_plugins.config import EngineConfig
-from mooncake_plugins.errors import AddressError
+from mooncake_plugins.errors import AddressError, TransportUnavailable
 from mooncake_plugins.transfer import TransferEngine
 from mooncake_plugins.transfer import protocol as p
 from mooncake_plugins.transfer.segment import Region, RegionInfo, RegionTable, SegmentDescriptor
@@ -33,6 +33,7 @@ from mooncake_plugins.transfer.transports.tcp import TcpServer
 PAGE = 4096
 TCP_LOG = "mooncake_plugins.transfer.transports.tcp"
 LISTENER_LOG = "mooncake_plugins.transfer.listener"
+SHM_LOG = "mooncake_plugins.transfer.transports.shm"
 
 
 @dataclass
@@ -266,7 +267,8 @@ _HOLD_FILE = ("import sys; f = open(sys.argv[1], 'r+b'); print(f.fileno(), flush
               "sys.stdin.read()")
 
 
-def test_a_forged_descriptor_cannot_aim_shm_at_another_process(tmp_path: Path) -> None:
+def test_a_forged_descriptor_cannot_aim_shm_at_another_process(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A network peer claims this host's host_id and names another local process's file."""
     victim_file = tmp_path / "victim.db"
     victim_file.write_bytes(b"F" * 2 * PAGE)
@@ -275,23 +277,37 @@ def test_a_forged_descriptor_cannot_aim_shm_at_another_process(tmp_path: Path) -
     try:
         fd = int(holder.stdout.readline())
         forged: dict = {}
-        liar = TcpServer("127.0.0.1", 0, RegionTable(),
-                         lambda msg: msgpack.packb(forged, use_bin_type=True))
+        asked: list[bytes] = []
+
+        def answer(msg: bytes) -> bytes:
+            asked.append(msg)
+            return msgpack.packb(forged, use_bin_type=True)
+
+        liar = TcpServer("127.0.0.1", 0, RegionTable(), answer)
         try:
             forged.update(SegmentDescriptor(
                 "liar", "127.0.0.1", liar.port, holder.pid, host_id(),
                 epoch=int.from_bytes(b"F" * 8, "little"), epoch_memfd=fd,
                 regions=[RegionInfo(1 << 40, PAGE, memfd=fd)]).to_wire())
-            with TransferEngine(config=EngineConfig(transports=["shm"])) as initiator:
+            with TransferEngine(config=EngineConfig(transports=["shm"])) as initiator, \
+                    TransferEngine(config=EngineConfig(transports=["shm"])) as genuine:
                 mine = initiator.allocate(PAGE)
                 mine.view()[:] = b"X" * PAGE
-                try:
+                with caplog.at_level(logging.WARNING, logger=SHM_LOG), \
+                        pytest.raises(TransportUnavailable, match="no transport reaches"):
                     initiator.write(f"127.0.0.1:{liar.port}", mine.address, 1 << 40, PAGE,
                                     timeout_s=10)
-                except Exception:
-                    pass  # refusing is the right answer; the file is what matters
+                assert asked, "the liar's descriptor was fetched and looked at"
+                # refused by the pid check, before any of the holder's files was opened
+                assert f"claims pid {holder.pid} on this host, which does not serve" in caplog.text
+                # the initiator still works over shm with a process that is who it says
+                theirs = genuine.allocate(PAGE)
+                initiator.write(genuine.segment_name, mine.address, theirs.address, PAGE,
+                                timeout_s=10)
+                assert bytes(theirs.view()) == b"X" * PAGE
         finally:
             liar.close()
+        assert holder.poll() is None, "the holder process was not disturbed"
     finally:
         holder.stdin.close()
         terminate_group(holder)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+import tracemalloc
 from collections.abc import Iterator
 
 import msgpack
@@ -72,17 +73,47 @@ def serves(port: int) -> bool:
         rpc.close()
 
 
-def test_an_announced_length_is_not_allocated_before_the_bytes_come(bare: RpcServer) -> None:
-    before = rss_nbytes()
-    socks = [connect(bare.port) for _ in range(3)]
+def unread_nbytes(server_port: int, client_ports: set[int]) -> dict[int, int]:
+    """Bytes the server has not yet read on each of its loopback connections from
+    ``client_ports`` (its sockets' receive queues in /proc/net/tcp), by client port."""
+    out = {}
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            local, remote, queues = fields[1], fields[2], fields[4]
+            if (int(local.split(":")[1], 16) == server_port
+                    and (peer := int(remote.split(":")[1], 16)) in client_ports):
+                out[peer] = int(queues.split(":")[1], 16)
+    return out
+
+
+def test_an_announced_length_is_not_allocated_before_the_bytes_come() -> None:
+    # a frame deadline far longer than the test: the server must still be waiting for the
+    # rest of each frame when memory is measured, however slow this machine is
+    server = RpcServer("127.0.0.1", 0, {"echo": ({"x": int}, lambda x: x)}, max_connections=3,
+                       frame_timeout_s=120)
+    socks: list[socket.socket] = []
     try:
+        before = rss_nbytes()
+        tracemalloc.start()
+        socks = [connect(server.port) for _ in range(3)]
         for s in socks:
             s.sendall(LENGTH.pack(MAX_FRAME_NBYTES) + b"\x93")  # 64 MiB announced, 1 byte sent
-        time.sleep(0.2)  # well inside the frame deadline: the server waits for the rest
-        assert rss_nbytes() - before < 32 * MiB  # not 3 x 64 MiB
+        ports = {s.getsockname()[1] for s in socks}
+        # the server has read the length and the byte after it on every connection, so it
+        # has made room for what it reads next and now waits for the rest
+        assert wait_until(lambda: unread_nbytes(server.port, ports) == dict.fromkeys(ports, 0),
+                          60), unread_nbytes(server.port, ports)
+        assert not any(closed_by_peer(s, within_s=0.05) for s in socks)  # still waiting
+        _, peak = tracemalloc.get_traced_memory()
+        assert peak < 32 * MiB, peak  # not 3 x 64 MiB (counted allocated, touched or not)
+        assert rss_nbytes() - before < 32 * MiB
     finally:
+        tracemalloc.stop()
         for s in socks:
             s.close()
+        server.close()
 
 
 def test_a_bomb_of_empty_maps_is_refused_before_it_is_built(

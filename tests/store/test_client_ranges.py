@@ -58,18 +58,41 @@ def test_ranges_of_a_striped_object_land_in_scattered_pieces(striped):
         reader.unregister_buffer(base)
 
 
-def test_a_range_read_after_the_lease_ran_out_is_refused(master):
-    """The master fixture leases reads for 0.5 s: bytes read later may be another object's."""
-    with StoreClient(master.address, global_segment_size=1 << 20) as c:
+LEASE_S = 3.0  # the first read must fall inside the lease: seconds to spare under load
+
+
+@pytest.fixture
+def leasing_master():
+    """A master leasing what is looked up for LEASE_S."""
+    server = MasterServer(MasterConfig(default_kv_lease_ttl_ms=int(LEASE_S * 1000)),
+                          ServerOptions(rpc_port=0))
+    server.start()
+    yield server
+    server.close()
+
+
+def test_a_range_read_after_the_lease_ran_out_is_refused(leasing_master):
+    """Bytes read after the lookup's lease ran out may be another object's: refused."""
+    with StoreClient(leasing_master.address, global_segment_size=1 << 20) as c:
         c.put("k", b"x" * 1000)
         dst = np.zeros(1000, dtype=np.uint8)
         c.register_buffer(dst.ctypes.data, dst.nbytes)
         try:
+            asked = time.monotonic()  # the lease runs from no earlier than this
             located = c.locate(["k"])
             assert c.batch_get_ranges_into(located, [(0, 0, [(dst.ctypes.data, 10)])]) == [10]
-            time.sleep(0.6)
-            (late,) = c.batch_get_ranges_into(located, [(0, 10, [(dst.ctypes.data, 10)])])
-            assert isinstance(late, LeaseExpired)
+
+            def read_late():
+                (got,) = c.batch_get_ranges_into(located, [(0, 10, [(dst.ctypes.data, 10)])])
+                return got
+
+            # read again and again until the lease runs out: then every read is refused
+            deadline = asked + LEASE_S + 30
+            while not isinstance(late := read_late(), LeaseExpired):
+                assert late == 10 and time.monotonic() < deadline, late
+                time.sleep(0.05)
+            assert time.monotonic() - asked >= LEASE_S  # not before its end
+            assert isinstance(read_late(), LeaseExpired)
         finally:
             c.unregister_buffer(dst.ctypes.data)
 

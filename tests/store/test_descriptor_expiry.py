@@ -14,7 +14,7 @@ from helpers import LineChild, wait_until
 
 from mooncake_plugins.transfer.metadata import MetadataServer, from_url
 
-TTL_S = 2
+TTL_S = 4   # renewed every TTL_S / 3: a live engine keeps it unless stalled for seconds
 ENGINE = f"""
 import json, sys
 import mooncake_plugins.transfer.engine as engine
@@ -41,15 +41,16 @@ def test_crashed_engine_descriptor_expires(metadata_url: str) -> None:
     engines: list[LineChild] = []
     try:
         engines.append(LineChild([sys.executable, "-c", ENGINE, metadata_url]))
+        published = time.monotonic()                   # it published before saying READY
         key = "mooncake/segments/" + engines[0].info["segment"]
-        assert store.get(key) is not None
-        time.sleep(TTL_S * 1.5)                        # renewed while the engine lives
-        assert store.get(key) is not None
+        # renewed while the engine lives: there all along, past the TTL it was put with
+        while time.monotonic() < published + TTL_S + 1:
+            assert store.get(key) is not None, "a live engine's descriptor went away"
+            time.sleep(0.2)
         os.killpg(engines[0].proc.pid, signal.SIGKILL)
         engines[0].proc.wait(10)
-        killed = time.monotonic()
-        assert wait_until(lambda: store.get(key) is None, TTL_S + 4, 0.1)
-        assert time.monotonic() - killed <= TTL_S + 4
+        # no longer renewed: the backend drops it (within TTL_S; generous for a loaded machine)
+        assert wait_until(lambda: store.get(key) is None, TTL_S + 30, 0.1)
         engines.append(LineChild([sys.executable, "-c", ENGINE, metadata_url]))
         again = "mooncake/segments/" + engines[1].info["segment"]
         assert store.get(again) is not None            # a new process publishes its own

@@ -88,16 +88,22 @@ def test_preferred_and_local_first(clock):
 
 def test_lru_eviction_skips_leased_and_soft_pinned(clock):
     m = service(clock, nsegs=1, seg_nbytes=10 * MiB, eviction_ratio=0.1)
+    put(m, "leased", 2 * MiB)  # the least recently used object: LRU order alone would evict it
     put(m, "pinned", 2 * MiB, with_soft_pin=True)
     put(m, "old", 2 * MiB)
-    put(m, "leased", 2 * MiB)
     put(m, "new", 2 * MiB)
-    m.get("leased")  # lease for 5 s
-    put(m, "more", 2 * MiB)  # 10 MiB full -> evict: "old" first (LRU), not pinned/leased
-    assert not m.exist("old")
-    assert m.exist("pinned") and m.exist("leased") and m.exist("more")
+    # exist() grants a read lease (5 s) without making "leased" most recently used (get would)
+    assert m.exist("leased")
+
+    def present(*keys):  # looks only: no lease is granted or extended
+        return m.exist_many(list(keys), lease=False)
+
+    put(m, "more", 2 * MiB)  # 10 MiB full -> evict one: "leased" is first in LRU order but leased
+    assert present("leased", "pinned", "old", "new", "more") == [True, True, False, True, True]
+    assert m.stats()["evicted"] == 1
+    clock.t += 6  # the lease has ended: "leased" is the LRU victim now, ahead of "new"
     put(m, "more2", 2 * MiB)
-    assert not m.exist("new")
+    assert present("leased", "pinned", "new", "more", "more2") == [False, True, True, True, True]
     assert m.stats()["evicted"] == 2
 
 

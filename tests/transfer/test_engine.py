@@ -8,7 +8,8 @@ import pytest
 from helpers import wait_until
 
 from mooncake_plugins.config import EngineConfig
-from mooncake_plugins.errors import (AddressError, InvalidArgument, RegionBusy, SegmentNotFound)
+from mooncake_plugins.errors import (AddressError, InvalidArgument, RegionBusy, SegmentNotFound,
+                                     to_code)
 from mooncake_plugins.transfer import OpCode, TransferEngine, TransferRequest, TransferStatus
 
 TRANSPORTS = {"tcp": ["tcp"], "shm": ["shm", "tcp"]}
@@ -80,6 +81,44 @@ def test_remote_out_of_bounds_refused_and_target_survives(pair):
         with pytest.raises(AddressError):
             a.read(b.segment_name, src.address, remote, n)
     a.write(b.segment_name, src.address, dst.address, 1 << 16)  # still serving
+
+
+BAD_REMOTE = {
+    "negative": lambda dst: (-1, 1),
+    "negative-ending-at-0": lambda dst: (-4096, 4096),
+    "negative-aliasing-a-region": lambda dst: (dst - (1 << 64), 4096),  # == dst mod 2**64
+    "wraps-past-2**64": lambda dst: ((1 << 64) - 2048, 4096),
+    "last-byte-plus-one": lambda dst: ((1 << 64) - 1, 2),
+    "at-2**64": lambda dst: (1 << 64, 1),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_REMOTE))
+def test_a_bad_remote_address_is_an_invalid_argument(pair, bad):
+    """A negative remote address, or one whose range wraps around 2**64, is refused by the
+    batch layer as it is submitted: InvalidArgument (the original's -1), raised at once, no
+    batch made, no byte moved; not an AddressError from the target (-5) later on the batch."""
+    a, b = pair
+    src, dst = a.allocate(1 << 20), b.allocate(1 << 16)
+    fill(src.view(), 4)
+    before_src, before_dst = bytes(src.view()), bytes(dst.view())
+    remote, n = BAD_REMOTE[bad](dst.address)
+    message = "within the address space"
+    for op in (OpCode.WRITE, OpCode.READ):
+        with pytest.raises(InvalidArgument, match=message) as info:
+            a.submit(b.segment_name, [TransferRequest(op, src.address, remote, n)])
+        assert to_code(info.value) == -1
+        with pytest.raises(InvalidArgument, match=message):
+            a.transfer(b.segment_name, op, src.address, remote, n, timeout_s=10)
+        # transfer_many: the item's error, on the inline path (small) and the batch path
+        # (an item over a slice)
+        for nbytes in (n, max(n, 2 * a.config.slice_nbytes)):
+            out = a.transfer_many(op, {b.segment_name: [(src.address, remote, nbytes)]},
+                                  timeout_s=10)
+            assert [type(e) for e in out[b.segment_name]] == [InvalidArgument], out
+    assert bytes(src.view()) == before_src and bytes(dst.view()) == before_dst
+    a.write(b.segment_name, src.address, dst.address, 4096)  # both still serve
+    assert bytes(dst.view()[:4096]) == before_src[:4096]
 
 
 def test_local_memory_must_be_registered(pair):

@@ -11,9 +11,9 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
+from helpers import require_module
 
 from mooncake_plugins.config import EngineConfig
 from mooncake_plugins.errors import RegionBusy
@@ -90,7 +90,7 @@ CRASHERS = {
 def test_no_view_sequence_crashes_the_interpreter(case, impl_env):
     """Issue 10 defect 3: in a child, so a regression shows as a signal, not a dead session."""
     if "tensor" in case:
-        pytest.importorskip("torch")
+        require_module("torch", "the tensor cases register torch tensors")
     code = "from mooncake_plugins.transfer import TransferEngine\ne = TransferEngine()\n" \
         + textwrap.dedent(CRASHERS[case]) + "\nprint('ok')\n"
     proc = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, **impl_env},
@@ -246,15 +246,26 @@ def test_close_leaks_rather_than_unmaps_under_a_stuck_copy(impl, stuck_write, ca
         a.close()
 
 
-def test_free_does_not_hold_the_engine_lock_while_waiting(impl, stuck_write):
+def test_free_does_not_hold_the_engine_lock_while_waiting(impl, stuck_write, monkeypatch):
     with shm_engine() as a, shm_engine() as b:
         dst = stuck_write.start(a, b, 4096)
-        freer, freed = _in_thread(b.free, dst, 10.0)
-        time.sleep(0.05)
-        t0 = time.monotonic()
-        other = b.allocate(4096)  # needs the engine lock that free() must not hold
-        assert time.monotonic() - t0 < 2
+        waiting = threading.Event()
+        real_remove = b._regions.remove
+
+        def remove(address, wait_s=1.0):  # where free() waits for the copy into dst
+            waiting.set()
+            return real_remove(address, wait_s)
+
+        monkeypatch.setattr(b._regions, "remove", remove)
+        freer, freed = _in_thread(b.free, dst, 60.0)
+        assert waiting.wait(30), "free() did not get to waiting for the copy"
+        # free() now waits (the copy into dst is stuck): the engine lock must be free
+        allocator, allocated = _in_thread(b.allocate, 4096)
+        allocator.join(30)
+        assert not allocator.is_alive(), "allocate() blocked behind a waiting free()"
+        assert freer.is_alive() and freed == []  # the overlap did happen
+        (other,) = allocated
         stuck_write.finish()
-        freer.join(10)
+        freer.join(30)
         assert freed == [None]
         b.free(other)

@@ -1,6 +1,7 @@
 """RegionTable bounds checks and descriptor validation: the security boundary."""
 
 import threading
+import time
 
 import pytest
 
@@ -56,10 +57,30 @@ def test_busy_region_cannot_be_removed():
 def test_remove_waits_for_transfers_to_end():
     t = table((1000, 100), (2000, 10))
     region = t.acquire(1010, 10)
-    releaser = threading.Timer(0.2, t.release, args=(region,))
-    releaser.start()
-    t.remove(1000, wait_s=10)  # returns once the transfer let go
-    releaser.join()
+    waiting = threading.Event()
+    drained = t._drained
+
+    class Watched(type(drained)):  # tells when remove() starts waiting for the transfer
+        def wait_for(self, predicate, timeout=None):
+            waiting.set()
+            return super().wait_for(predicate, timeout)
+
+    t._drained = Watched(t._lock)
+    out: list = []
+    remover = threading.Thread(target=lambda: out.append(t.remove(1000, wait_s=60)), daemon=True)
+    remover.start()
+    deadline = time.monotonic() + 30
+    while not waiting.is_set() and remover.is_alive():
+        assert time.monotonic() < deadline, "remove() neither waited nor returned"
+        time.sleep(0.01)
+    # remove() is waiting (or returned at once: wrong): the busy region must still be there
+    assert t.find(1010, 10) is region and len(t) == 2
+    assert remover.is_alive() and out == [], "remove() returned while a transfer held the region"
+    t.release(region)  # the transfer ends: now remove() goes on
+    remover.join(30)
+    assert not remover.is_alive() and out == [region]
+    with pytest.raises(AddressError):
+        t.find(1010, 10)
     assert len(t) == 1 and t.find(2000, 10).address == 2000
 
 

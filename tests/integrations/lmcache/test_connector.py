@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
+from helpers import wait_until
 from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
 
 import lmc
@@ -128,28 +130,27 @@ def test_a_call_past_its_timeout_keeps_its_memory_until_it_ends(store):
     b = lmc.Backends(lmc.config(["mooncake_plugins"],
                                 lmc.ours(store.address) | {
                                     "mooncake_plugins.transfer_timeout_s": 0.5}))
+    release = threading.Event()
     try:
         conn = connector(b)
         seen: list = []
 
-        def slow_get(keys, objs):
+        def stuck_get(keys, objs):  # a get that ends only when the test lets it
             seen.extend(objs)
-            time.sleep(1.5)
+            release.wait(120)
             seen.append([o.get_ref_count() for o in objs])
             return [o.get_size() for o in objs]
 
-        conn.io.get = slow_get
-        t0 = time.monotonic()
+        conn.io.get = stuck_get
         assert b.remote.batched_get_blocking([lmc.key(0)]) == [None]
-        assert time.monotonic() - t0 < 1.4  # the caller got its miss on time ...
-        deadline = time.monotonic() + 10
-        while len(seen) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        obj, refs = seen
-        assert refs == [1]  # ... while the late call still held the object it fills
-        deadline = time.monotonic() + 5
-        while obj.get_ref_count() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert obj.get_ref_count() == 0  # and gave it back when it ended
+        # the caller got its miss on time: the call cannot end before the release below
+        assert wait_until(lambda: len(seen) == 1, 30)  # (its thread may start late)
+        (obj,) = seen
+        assert obj.get_ref_count() == 1  # ... the late call still holds the object it fills
+        release.set()
+        assert wait_until(lambda: len(seen) == 2, 30)
+        assert seen[1] == [1]  # held until its very end
+        assert wait_until(lambda: obj.get_ref_count() == 0, 30)  # and given back then
     finally:
+        release.set()
         b.close()

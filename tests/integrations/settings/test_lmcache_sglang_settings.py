@@ -49,6 +49,70 @@ def test_sglang_settings_skip_the_dynamic_loader_keys():
         sglang_settings({"protocol": "rdma"})
 
 
-def test_sglang_entry_point_does_nothing_unless_asked(monkeypatch):
-    monkeypatch.delenv(mooncake_sglang.ENABLE_ENV, raising=False)
-    mooncake_sglang.register()  # no SGLang import, no registration
+class _FakeFactory:
+    """Stands in for SGLang's ``StorageBackendFactory`` (its registry and register call)."""
+
+    def __init__(self) -> None:
+        self._registry = {"mooncake": {"module_path": "sglang.srt.mem_cache.storage.mooncake_store"
+                                                      ".mooncake_store",
+                                       "class_name": "MooncakeStore"}}
+        self.calls: list[tuple[str, str, str]] = []
+
+    def register_backend(self, name: str, module_path: str, class_name: str) -> None:
+        self.calls.append((name, module_path, class_name))
+        self._registry[name] = {"module_path": module_path, "class_name": class_name}
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> _FakeFactory:
+    """SGLang's backend factory module, faked in ``sys.modules`` (SGLang need not be
+    installed); the factory records what :func:`mooncake_sglang.register` registers."""
+    import sys
+    import types
+
+    factory = _FakeFactory()
+    name = "sglang.srt.mem_cache.storage.backend_factory"
+    module = types.ModuleType(name)
+    module.StorageBackendFactory = factory  # type: ignore[attr-defined]
+    parts = name.split(".")
+    for i in range(1, len(parts)):  # parent packages, so the import statement resolves
+        parent = ".".join(parts[:i])
+        if parent not in sys.modules:
+            pkg = types.ModuleType(parent)
+            pkg.__path__ = []  # type: ignore[attr-defined]
+            monkeypatch.setitem(sys.modules, parent, pkg)
+    monkeypatch.setitem(sys.modules, name, module)
+    return factory
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "false", "no", "off", "2"])
+def test_sglang_entry_point_does_nothing_unless_asked(monkeypatch, fake_sglang, value):
+    if value is None:
+        monkeypatch.delenv(mooncake_sglang.ENABLE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(mooncake_sglang.ENABLE_ENV, value)
+    before = {k: dict(v) for k, v in fake_sglang._registry.items()}
+    mooncake_sglang.register()
+    assert fake_sglang.calls == [] and fake_sglang._registry == before  # "mooncake" stays SGLang's
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
+def test_sglang_entry_point_registers_ours_as_mooncake_when_asked(monkeypatch, fake_sglang, value):
+    monkeypatch.setenv(mooncake_sglang.ENABLE_ENV, value)
+    mooncake_sglang.register()
+    ours = ("mooncake", mooncake_sglang.MODULE_PATH, mooncake_sglang.CLASS_NAME)
+    assert fake_sglang.calls == [ours]
+    assert fake_sglang._registry["mooncake"] == {"module_path": "mooncake_sglang.backend",
+                                                 "class_name": "MooncakePluginsHiCache"}
+    mooncake_sglang.register()  # idempotent: SGLang runs its plugins in each process
+    assert fake_sglang.calls == [ours]
+
+
+def test_sglang_entry_point_is_the_registered_plugin():
+    from importlib.metadata import entry_points
+
+    found = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "mooncake_plugins"]
+    if not found:
+        pytest.skip("the distribution's entry points are not installed here")
+    (ep,) = found
+    assert ep.value == "mooncake_sglang:register"

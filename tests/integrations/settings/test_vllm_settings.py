@@ -4,10 +4,11 @@ and the KV layout of a block (on CPU and CUDA-shaped tensors)."""
 from __future__ import annotations
 
 import pytest
+from helpers import require_module
 
 from mooncake_vllm.config import StoreSettings, from_extra_config
 
-torch = pytest.importorskip("torch", reason="the KV layout works on torch tensors")
+torch = require_module("torch", "the KV layout works on torch tensors")
 from mooncake_vllm.kv_layout import KVLayout  # noqa: E402
 
 

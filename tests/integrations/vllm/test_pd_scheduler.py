@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+import threading
 import time
 
 import msgpack
@@ -77,8 +78,23 @@ def recompute(d: PDEngine) -> list[int]:
     return computed
 
 
-def test_decode_waits_for_the_prefills_kv_then_computes_one_token(pd, caplog):
+def pull_parked(monkeypatch, p: PDEngine) -> threading.Event:
+    """Set once a pull served by ``p``'s worker waits for its transfer to be handed over."""
+    worker = p.worker._worker
+    parked = threading.Event()
+    real_wait = worker._cond.wait
+
+    def wait(timeout=None):
+        parked.set()   # called with the lock held: the pull releases it by waiting
+        return real_wait(timeout)
+
+    monkeypatch.setattr(worker._cond, "wait", wait)
+    return parked
+
+
+def test_decode_waits_for_the_prefills_kv_then_computes_one_token(pd, caplog, monkeypatch):
     p, d = pd("kv_producer"), pd("kv_consumer")
+    parked = pull_parked(monkeypatch, p)
     params = prefill(p, "p", "t1")
     assert params["do_remote_prefill"] and params["transfer_id"] == "t1"
     assert params["remote_ports"] == [params["remote_port"]] and params["remote_tp_size"] == 1
@@ -91,7 +107,8 @@ def test_decode_waits_for_the_prefills_kv_then_computes_one_token(pd, caplog):
     assert d.scheduler.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     (job,) = d.metas[0].recvs
     assert job.first_block == 0 and len(job.block_ids) == NBLOCKS
-    time.sleep(0.3)                       # the pull arrived before the prefill worker knew
+    assert parked.wait(30), "the pull did not reach the prefill's worker"
+    assert p.worker._worker._sends == {}  # it arrived before the prefill worker knew
     d.step()
     assert d.scheduler.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     with caplog.at_level(logging.INFO, logger="mooncake_vllm"):
