@@ -91,8 +91,10 @@ class EngineConfig:
             (MC_TCP_CONNECTIONS; default: one per core).
         transfer_timeout_s: socket deadline for one slice (MC_TRANSFER_TIMEOUT).
         connect_timeout_s: deadline for connecting to a peer (MC_CONNECT_TIMEOUT).
-        transports: transports allowed, in order of preference when a peer supports
-            several (MC_TRANSPORTS, comma separated). "shm" is used only for same-host peers.
+        transports: transports the engine may use (MC_TRANSPORTS, comma separated; names
+            from the transport registry: "shm", "tcp", ...). Per peer and memory kind the
+            engine uses those that qualify best first, by each transport's declared rank
+            (shm before tcp; "shm" reaches only same-host peers), not by this list's order.
         retries: extra attempts of a failed slice on another path (MC_RETRIES).
         inline_nbytes: batches up to this size run in the submitting thread, without a
             worker handoff (MC_INLINE_SIZE); ``submit`` then returns a finished batch.
@@ -136,6 +138,9 @@ class EngineConfig:
             raise ValueError("timeouts must be > 0")
         if self.retries < 0 or self.inline_nbytes < 0:
             raise ValueError("retries and inline_nbytes must be >= 0")
-        unknown = set(self.transports) - {"tcp", "shm"}
+        from .transfer.transports.registry import transport_names  # no import cycle at load
+        known = transport_names()
+        unknown = set(self.transports) - set(known)
         if unknown or not self.transports:
-            raise ValueError(f"transports={self.transports}: choose from 'shm', 'tcp'")
+            raise ValueError(f"transports={self.transports}: choose from "
+                             + ", ".join(repr(n) for n in sorted(known)))

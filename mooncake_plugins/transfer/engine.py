@@ -1,5 +1,14 @@
 """TransferEngine: registered memory, segments, batches, and the choice of transport per peer.
 
+Transports are built from ``EngineConfig.transports`` through the transport registry
+(``transports/registry.py``) and chosen per slice by what each declares: the peers it
+reaches (``supports``), the memory kinds it moves (``memory_kinds``/``moves``, from the
+``location`` of the local region and of the peer's published region) and its rank
+(``priority``), best first; see :meth:`TransferEngine._paths`. This module imports no
+transport class for data. What it does import from the transport modules is the target
+side every engine serves whatever its own transports: the rpc port (``TcpServer``: tcp
+data and control messages), and shm's memfds, epoch page and in-process table.
+
 Thread model: public methods may be called from any thread. Slices run on the engine's
 worker pool; the tcp server has its own threads. Lock order: ``TransferEngine._lock``
 before ``Peer._lock``; RegionTable and Batch locks are leaves.
@@ -27,13 +36,15 @@ from ..errors import (AddressError, InvalidArgument, MetadataError, MooncakeErro
 from . import memory
 from .batch import Batch, OpCode, TransferRequest, validate_range, validate_request
 from .metadata import MetadataStore, from_url
+from .peer import Peer
 from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor
 from .topology import host_id
-from .transports import get_transport
-from .transports.base import OP_READ, OP_WRITE, Transport
-from .transports import shm
-from .transports.shm import EPOCH, publish_local
-from .transports.tcp import TcpServer, TcpTransport
+from .transports import registry
+from .transports.base import HOST, HOST_KINDS, OP_READ, OP_WRITE, Transport, kind_of_location
+# target side, served whatever transports this engine initiates with (not path choice):
+from .transports.shm import EPOCH, publish_local  # epoch page; same-process peers' table
+from .transports.shm import impl as _shm_impl  # memfd_create of shm-mappable buffers
+from .transports.tcp import TcpServer  # the rpc port: tcp data and control messages
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +52,7 @@ METADATA_PREFIX = "mooncake/segments/"
 DESCRIPTOR_TTL_S = 10.0
 """A published descriptor outlives its engine by at most this long (renewed every third)."""
 P2P = "P2PHANDSHAKE"
+_HOST_ONLY = frozenset({HOST})
 MAX_PENDING_NOTIFIES = 65536
 """Notifications kept until ``take_notifies``; a peer sending more is refused (bounded memory)."""
 
@@ -78,7 +90,7 @@ class _Memfd:
     """
 
     def __init__(self, name: str, nbytes: int) -> None:
-        self.fd = shm.impl.memfd_create(name)
+        self.fd = _shm_impl.memfd_create(name)
         try:
             os.ftruncate(self.fd, nbytes)
             # No fallocate or MAP_POPULATE here: they would make the caller wait for every
@@ -136,23 +148,6 @@ class _Memfd:
         except BufferError:
             pass  # views are alive: the mmap unmaps itself when the last one is released
         os.close(self.fd)
-
-
-class Peer:
-    """A remote segment: its latest descriptor and how to refresh it."""
-
-    def __init__(self, engine: "TransferEngine", name: str, descriptor: SegmentDescriptor) -> None:
-        self.name = name
-        self.descriptor = descriptor
-        self._engine = engine
-        self._lock = threading.Lock()
-
-    def refresh(self) -> SegmentDescriptor:
-        """Fetch the descriptor again, straight from the peer's rpc port."""
-        with self._lock:
-            old = self.descriptor
-            self.descriptor = self._engine._fetch_from_peer(old.host, old.port)
-            return self.descriptor
 
 
 def _split_hostname(local_hostname: str) -> tuple[str, int]:
@@ -217,16 +212,18 @@ class TransferEngine:
             segment_name = f"{self.host}:{self.rpc_port}" if self._metadata is None or not host \
                 or port == 0 else local_hostname
         self.segment_name = segment_name
-        self._tcp = TcpTransport(self.config.connections_per_peer, self.config.connect_timeout_s,
-                                 self.config.transfer_timeout_s)
-        for name in self.config.transports:
-            if name == "tcp":
-                self._transports.append(self._tcp)
-            else:
-                try:
-                    self._transports.append(get_transport(name))
-                except TransportUnavailable as exc:
-                    log.warning("transport %s disabled: %s", name, exc)
+        # the control client (describe, notify to peers' rpc ports); it moves data only
+        # when its transport is also in config.transports
+        self._control = registry.build_transport(registry.CONTROL, self.config)
+        for name in dict.fromkeys(self.config.transports):
+            if name == registry.CONTROL:
+                self._transports.append(self._control)
+                continue
+            try:
+                self._transports.append(registry.build_transport(name, self.config))
+            except TransportUnavailable as exc:
+                log.warning("transport %s disabled: %s", name, exc)
+        self._transports = registry.rank(self._transports)  # best first: see _paths
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="mc-worker")
         publish_local(self.rpc_port, self._regions)
         self._publish()
@@ -247,8 +244,8 @@ class TransferEngine:
             self._server.close()
         if hasattr(self, "_pool"):
             self._pool.shutdown(wait=True)
-        for t in {id(t): t for t in [*self._transports, getattr(self, "_tcp", None)] if t}.values():
-            t.close()  # tcp carries control messages even when it moves no data
+        for t in {id(t): t for t in [*self._transports, getattr(self, "_control", None)] if t}.values():
+            t.close()  # the control client is closed even when it moves no data
 
     # -- registration ----------------------------------------------------------------
     def register(self, buffer: Any, location: str = "*", private: bool = False) -> Region:
@@ -390,7 +387,7 @@ class TransferEngine:
     def notify(self, segment: str, name: str, msg: str) -> None:
         """Deliver a (name, msg) notification to ``segment`` (read there with ``take_notifies``)."""
         d = self.open_segment(segment).descriptor
-        self._tcp.control(d.host, d.port, "notify", name=name, msg=msg)
+        self._control.control(d.host, d.port, "notify", name=name, msg=msg)
 
     def take_notifies(self) -> list[tuple[str, str]]:
         """Return and clear the notifications received so far."""
@@ -401,7 +398,7 @@ class TransferEngine:
     # -- segments --------------------------------------------------------------------
     def _fetch_from_peer(self, host: str, port: int) -> SegmentDescriptor:
         try:
-            raw = self._tcp.control(host, port, "describe")
+            raw = self._control.control(host, port, "describe")
             return SegmentDescriptor.from_wire(msgpack.unpackb(raw, raw=False))
         except TransferError as exc:
             raise SegmentNotFound(f"segment at {host}:{port} is unreachable: {exc}") from exc
@@ -428,7 +425,7 @@ class TransferEngine:
         with self._lock:
             peer = self._peers.get(segment)
         if peer is None:
-            peer = Peer(self, segment, self._lookup(segment))
+            peer = Peer(segment, self._lookup(segment), self._fetch_from_peer)
             with self._lock:
                 peer = self._peers.setdefault(segment, peer)
         return peer
@@ -460,17 +457,20 @@ class TransferEngine:
         ``transport`` restricts the paths tried (e.g. "tcp").
 
         Raises:
-            InvalidArgument, AddressError (local memory), SegmentNotFound, TransportUnavailable.
+            InvalidArgument, AddressError (local memory), SegmentNotFound,
+            TransportUnavailable (no transport reaches the segment, or none moves the
+            memory kinds of a request).
         """
         self._check_open()
         peer = self.open_segment(segment)
-        paths = self._paths(peer, transport)
+        reach = self._reaching(peer, transport)
         reqs = list(requests)
         step = self.config.slice_nbytes
         slices: list[tuple[int, int, int, int, int]] = []
         for r in reqs:
             validate_request(r)
-        refused = self._refused(peer, [(r.op, r.remote_address, r.nbytes) for r in reqs])
+        refused, remote_kinds = self._check_remote(
+            peer, [(r.op, r.remote_address, r.nbytes) for r in reqs])
         for index, r in enumerate(reqs):
             if index in refused:
                 continue
@@ -479,6 +479,11 @@ class TransferEngine:
                 slices.append((index, op, r.local_address + off, r.remote_address + off,
                                min(step, r.nbytes - off)))
         regions = self._hold(slices)
+        try:
+            routes = self._routes(peer, reach, transport, slices, regions, remote_kinds)
+        except BaseException:
+            self._regions.release_many(regions)
+            raise
         batch = Batch(next(self._batch_ids), segment, reqs)
         for s in slices:
             batch.add_slices(s[0], 1)
@@ -487,42 +492,60 @@ class TransferEngine:
         batch.seal()
         if refused:
             batch.slices_done(list(refused.items()))
+        # one task's slices share one path list and go to one execute_many; tcp pipelines
+        # them on one connection (task_nbytes), up to an equal share of the batch per worker
+        share = -(-batch.nbytes // self.config.workers)
         tasks = []
         first, budget = 0, 0
-        # one task's slices go to one execute_many; tcp pipelines them on one connection
-        # (task_nbytes), up to an equal share of the batch per worker
-        group = max(step, min(getattr(paths[0], "task_nbytes", 0),
-                              -(-batch.nbytes // self.config.workers)))
+        mixed = bool(routes) and routes.count(routes[0]) != len(routes)  # several kinds
+        paths = routes[0] if routes else []
+        group = max(step, min(paths[0].task_nbytes, share)) if paths else step
         for i, s in enumerate(slices):
             budget += s[4]
-            if budget >= group or i + 1 - first >= 64 or i + 1 == len(slices):
-                tasks.append((slices[first:i + 1], regions[first:i + 1]))
+            if budget >= group or i + 1 - first >= 64 or i + 1 == len(slices) \
+                    or mixed and routes[i + 1] is not paths:
+                tasks.append((paths, slices[first:i + 1], regions[first:i + 1]))
                 first, budget = i + 1, 0
+                if mixed and i + 1 < len(slices) and routes[i + 1] is not paths:
+                    paths = routes[i + 1]
+                    group = max(step, min(paths[0].task_nbytes, share))
         if batch.nbytes <= self.config.inline_nbytes:
-            for task, held in tasks:  # small: the handoff to a worker would cost more than the copy
+            for paths, task, held in tasks:  # small: the handoff to a worker would cost more
                 self._run_task(peer, paths, batch, task, held)
         else:
-            for task, held in tasks:
+            for paths, task, held in tasks:
                 self._pool.submit(self._run_task, peer, paths, batch, task, held)
         return batch
 
     @staticmethod
-    def _refused(peer: Peer, items: Sequence[tuple[OpCode, int, int]]) -> dict[int, MooncakeError]:
-        """Requests whose remote range no published region holds, by index.
+    def _check_remote(peer: Peer, items: Sequence[tuple[OpCode, int, int]]
+                      ) -> tuple[dict[int, MooncakeError], list[str] | None]:
+        """Requests whose remote range no published region holds, by index, and the
+        memory kind of every request's remote region (from its published ``location``;
+        None when the segment publishes host memory only).
 
         Refused whole before any slice moves, so a failed request never leaves part of its
         bytes behind (the target still checks every slice itself). A range the cached
         descriptor refuses is checked again against a fresh one.
         """
+        kinds: list[str] | None = None  # stays None while every region seen is host memory
+
         def check(desc: SegmentDescriptor, indices: Iterable[int]) -> dict[int, MooncakeError]:
+            nonlocal kinds
+            mixed = not peer.published_kinds(desc) <= _HOST_ONLY
+            if mixed and kinds is None:
+                kinds = [HOST] * len(items)
             bad: dict[int, MooncakeError] = {}
             for i in indices:
                 op, remote, n = items[i]
                 if n:
                     try:
-                        desc.find(remote, n, op is OpCode.WRITE)
+                        region = desc.find(remote, n, op is OpCode.WRITE)
                     except AddressError as exc:
                         bad[i] = exc
+                        continue
+                    if mixed:
+                        kinds[i] = kind_of_location(region.location)  # type: ignore[index]
             return bad
 
         bad = check(peer.descriptor, range(len(items)))
@@ -531,7 +554,7 @@ class TransferEngine:
                 bad = check(peer.refresh(), bad)
             except MooncakeError:
                 pass  # unreachable: keep what the cached descriptor said
-        return bad
+        return bad, kinds
 
     def _hold(self, slices: list[tuple[int, int, int, int, int]]) -> list[Region]:
         """Acquire the local region of every ``(index, op, local, remote, nbytes)`` slice.
@@ -546,12 +569,62 @@ class TransferEngine:
             raise AddressError("cannot READ into a region registered read-only")
         return regions
 
-    def _paths(self, peer: Peer, transport: str | None) -> list[Transport]:
+    # -- path choice -----------------------------------------------------------------
+    def _paths(self, peer: Peer, transport: str | None = None,
+               kinds: tuple[str, str] = HOST_KINDS) -> list[Transport]:
+        """The transports that reach ``peer`` and move slices between ``kinds`` =
+        ``(local memory kind, remote memory kind)``, best first (see ``_reaching``,
+        ``_moving``); only ``transport`` when that names one.
+
+        Raises:
+            TransportUnavailable: none qualifies (the message says which test failed).
+        """
+        return self._moving(peer, self._reaching(peer, transport), transport, kinds)
+
+    def _reaching(self, peer: Peer, transport: str | None) -> list[Transport]:
+        """The configured transports that reach ``peer``, best first (they are kept ranked
+        by priority), restricted to the one named ``transport`` if given."""
         paths = [t for t in self._transports if (transport in (None, "", t.name)) and t.supports(peer)]
         if not paths:
             raise TransportUnavailable(f"no transport reaches segment {peer.name!r}"
                                        + (f" with hint {transport!r}" if transport else ""))
         return paths
+
+    @staticmethod
+    def _moving(peer: Peer, reach: list[Transport], transport: str | None,
+                kinds: tuple[str, str]) -> list[Transport]:
+        """Those of ``reach`` that move ``(local kind, remote kind)`` memory, in order."""
+        paths = [t for t in reach if t.moves(*kinds)]
+        if not paths:
+            tried = ", ".join(f"{t.name} (moves {'/'.join(sorted(t.memory_kinds))})" for t in reach)
+            raise TransportUnavailable(
+                f"no transport moves {kinds[0]} memory here to or from {kinds[1]} memory of "
+                f"segment {peer.name!r}" + (f" with hint {transport!r}" if transport else "")
+                + f"; tried {tried}")
+        return paths
+
+    def _routes(self, peer: Peer, reach: list[Transport], transport: str | None,
+                slices: Sequence[tuple[int, int, int, int, int]], regions: Sequence[Region],
+                remote_kinds: Sequence[str] | None) -> list[list[Transport]]:
+        """The paths of every slice, by the kinds of its local region (``regions``, its
+        registered ``location``) and its request's remote region (``remote_kinds``, None:
+        all host).
+        Slices of the same kinds share one list object."""
+        if not slices:
+            return []
+        if remote_kinds is None and all(kind_of_location(location) == HOST for location
+                                        in {region.info.location for region in regions}):
+            return [self._moving(peer, reach, transport, HOST_KINDS)] * len(slices)
+        by_kinds: dict[tuple[str, str], list[Transport]] = {}
+        out: list[list[Transport]] = []
+        for s, region in zip(slices, regions):
+            kinds = (kind_of_location(region.info.location),
+                     HOST if remote_kinds is None else remote_kinds[s[0]])
+            paths = by_kinds.get(kinds)
+            if paths is None:
+                paths = by_kinds[kinds] = self._moving(peer, reach, transport, kinds)
+            out.append(paths)
+        return out
 
     def _run_task(self, peer: Peer, paths: list[Transport], batch: Batch,
                   task: list[tuple[int, int, int, int, int]], held: list[Region]) -> None:
@@ -630,21 +703,38 @@ class TransferEngine:
                     transport: str | None) -> list[MooncakeError | None]:
         self._check_open()
         peer = self.open_segment(segment)
-        paths = self._paths(peer, transport)
+        reach = self._reaching(peer, transport)
         code = OP_WRITE if op is OpCode.WRITE else OP_READ
         for local, remote, n in items:
             validate_range(local, remote, n)
-        refused = self._refused(peer, [(op, remote, n) for _, remote, n in items])
+        refused, remote_kinds = self._check_remote(peer, [(op, remote, n) for _, remote, n in items])
         task = [(i, code, local, remote, n) for i, (local, remote, n) in enumerate(items)
                 if n and i not in refused]
         held = self._hold(task)
         try:
+            routes = self._routes(peer, reach, transport, task, held, remote_kinds)
             errors: list[MooncakeError | None] = [refused.get(i) for i in range(len(items))]
-            for index, err in self._execute(peer, paths, task):
-                errors[index] = err
+            for paths, run in self._runs(routes, task):
+                for index, err in self._execute(peer, paths, run):
+                    errors[index] = err
             return errors
         finally:
             self._regions.release_many(held)
+
+    @staticmethod
+    def _runs(routes: list[list[Transport]], task: list[tuple[int, int, int, int, int]]
+              ) -> list[tuple[list[Transport], list[tuple[int, int, int, int, int]]]]:
+        """``task`` cut into runs of consecutive slices with the same paths (``routes``)."""
+        if not routes:
+            return []
+        if routes.count(routes[0]) == len(routes):
+            return [(routes[0], task)]
+        runs, first = [], 0
+        for i, paths in enumerate(routes):
+            if i + 1 == len(routes) or routes[i + 1] is not paths:
+                runs.append((paths, task[first:i + 1]))
+                first = i + 1
+        return runs
 
     def _run_slice(self, peer: Peer, paths: list[Transport], op: int, local: int, remote: int,
                    n: int) -> None:

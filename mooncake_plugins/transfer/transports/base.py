@@ -1,28 +1,59 @@
-"""Transport ABC and the lazy name -> module registry.
+"""Transport ABC: what a transport declares (reach, memory kinds, rank) and does.
 
 A transport executes one slice at a time, blocking, on an engine worker thread; the
-engine owns slicing, path choice and retries. Native modules are imported only when a
-transport is first built, so a missing system library becomes ``TransportUnavailable``
-at use time, never an import error.
+engine owns slicing, path choice and retries. It chooses among the transports built
+from ``EngineConfig.transports`` through the registry (``registry.py``) by what each
+class declares:
+
+- ``supports(peer)``: whether it reaches that peer at all (shm: same host and a
+  verified pid; tcp: everyone);
+- ``memory_kinds``: the kinds of memory it moves, on either side of a slice
+  (:data:`HOST`, :data:`CUDA`); ``moves(local_kind, remote_kind)`` refines the pairs;
+- ``priority``: its rank among the transports that qualify, highest first
+  (:data:`PRIORITY_CUDA_IPC` > :data:`PRIORITY_SHM` > :data:`PRIORITY_RDMA` >
+  :data:`PRIORITY_TCP`); a slice failing on one is retried on the next.
+
+Native modules are imported only when a transport is first built, so a missing system
+library becomes ``TransportUnavailable`` at use time, never an import error.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 from ...config import PURE_PYTHON
-from ...errors import TransportUnavailable
+
+from ..peer import Peer
 
 if TYPE_CHECKING:
-    from ..engine import Peer
+    from ...config import EngineConfig
 
 log = logging.getLogger(__name__)
 
 OP_READ = 1
 OP_WRITE = 2
+
+HOST = "host"
+"""Memory the CPU addresses directly (registered with location ``*``, ``cpu`` or ``cpu:N``)."""
+CUDA = "cuda"
+"""GPU memory (registered with location ``cuda`` or ``cuda:N``)."""
+HOST_KINDS = (HOST, HOST)
+"""``(local kind, remote kind)`` of a slice between two host buffers."""
+
+PRIORITY_CUDA_IPC = 40
+PRIORITY_SHM = 30
+PRIORITY_RDMA = 20
+PRIORITY_TCP = 10
+
+
+def kind_of_location(location: str | None) -> str:
+    """The memory kind of a region from its registered ``location``: ``cuda:N`` (or
+    ``cuda``) is :data:`CUDA`; ``*``, ``cpu``, ``cpu:N``, empty or missing are :data:`HOST`."""
+    if location and location[:4] == "cuda" and location[4:5] in ("", ":"):
+        return CUDA
+    return HOST
 
 
 def use_default(use: Callable[[bool], None], what: str) -> None:
@@ -40,21 +71,40 @@ def use_default(use: Callable[[bool], None], what: str) -> None:
 class Transport(ABC):
     """One way of reaching peers.
 
+    Class-level declarations (see the module docstring) are what the engine's path
+    choice reads; a new transport is a subclass declaring them plus one registry entry.
+
     Thread model: ``execute`` is called concurrently from the engine's worker threads.
     """
 
-    name: str = ""
+    name: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+    """Rank among the transports that reach a peer and move a slice's memory: higher first."""
+    memory_kinds: ClassVar[frozenset[str]] = frozenset({HOST})
+    """Memory kinds this transport moves, local and remote side alike."""
+    task_nbytes: ClassVar[int] = 0
+    """Bytes of slices worth handing to one ``execute_many`` (0: the engine's slice size)."""
+
+    @classmethod
+    def from_config(cls, config: "EngineConfig") -> "Transport":
+        """Build one for an engine with ``config`` (default: no arguments)."""
+        return cls()
 
     @abstractmethod
-    def supports(self, peer: "Peer") -> bool:
+    def supports(self, peer: Peer) -> bool:
         """Whether this transport can reach ``peer`` at all."""
 
+    def moves(self, local_kind: str, remote_kind: str) -> bool:
+        """Whether this transport moves slices between ``local_kind`` memory here and
+        ``remote_kind`` memory of the peer (default: both kinds in ``memory_kinds``)."""
+        return local_kind in self.memory_kinds and remote_kind in self.memory_kinds
+
     @abstractmethod
-    def execute(self, peer: "Peer", op: int, local_address: int, remote_address: int,
+    def execute(self, peer: Peer, op: int, local_address: int, remote_address: int,
                 nbytes: int) -> None:
         """Move one slice (blocking). Raises TransferError/AddressError/OSError on failure."""
 
-    def execute_many(self, peer: "Peer", slices: list[tuple[int, int, int, int, int]]) -> None:
+    def execute_many(self, peer: Peer, slices: list[tuple[int, int, int, int, int]]) -> None:
         """Move several ``(request index, op, local, remote, nbytes)`` slices, all or raise.
 
         The default runs ``execute`` one by one; a transport overrides it where a batch
@@ -63,31 +113,12 @@ class Transport(ABC):
         for _, op, local, remote, n in slices:
             self.execute(peer, op, local, remote, n)
 
-    def forget(self, peer: "Peer") -> None:
+    def forget(self, peer: Peer) -> None:
         """Drop cached connections or mappings of a peer (it went away or changed)."""
 
     def close(self) -> None:
         """Release every resource; the transport is unusable afterwards."""
 
-
-_REGISTRY: dict[str, tuple[str, str]] = {
-    "tcp": ("mooncake_plugins.transfer.transports.tcp", "TcpTransport"),
-    "shm": ("mooncake_plugins.transfer.transports.shm", "ShmTransport"),
-}
-
-
-def transport_names() -> list[str]:
-    return list(_REGISTRY)
-
-
-def get_transport(name: str, **kwargs: Any) -> Transport:
-    """Build transport ``name``; TransportUnavailable when unknown or unusable here."""
-    try:
-        module_name, class_name = _REGISTRY[name]
-    except KeyError:
-        raise TransportUnavailable(f"unknown transport {name!r}; known: {sorted(_REGISTRY)}") from None
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise TransportUnavailable(f"{name}: {exc}") from exc
-    return getattr(module, class_name)(**kwargs)
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} priority={self.priority} " \
+               f"kinds={sorted(self.memory_kinds)}>"

@@ -27,16 +27,14 @@ import os
 import socket
 import struct
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...errors import AddressError, MooncakeError, TransferError
 from .. import memory
+from ..peer import Peer
 from ..segment import RegionInfo, RegionTable
 from ..topology import host_id
-from .base import OP_WRITE, Transport, use_default
-
-if TYPE_CHECKING:
-    from ..engine import Peer
+from .base import HOST, OP_WRITE, PRIORITY_SHM, Transport, use_default
 
 log = logging.getLogger(__name__)
 EPOCH = struct.Struct("<Q")
@@ -290,6 +288,8 @@ class ShmTransport(Transport):
     """Initiator side of shm; the target does nothing but publish its descriptor."""
 
     name = "shm"
+    priority = PRIORITY_SHM
+    memory_kinds = frozenset({HOST})
     ATTEMPTS = 4  # copies repeated because the target's regions changed under them
 
     def __init__(self) -> None:
@@ -299,7 +299,7 @@ class ShmTransport(Transport):
         self._verified: dict[tuple[int, str, int], bool] = {}
         self._lock = threading.Lock()
 
-    def supports(self, peer: "Peer") -> bool:
+    def supports(self, peer: Peer) -> bool:
         """Same host, and the process the descriptor names really serves that segment.
 
         The check runs once per (pid, host, port): the descriptor is fetched afresh from
@@ -370,11 +370,11 @@ class ShmTransport(Transport):
         except OSError as exc:
             raise TransferError(f"segment {desc.name!r} (pid {desc.pid}) is gone: {exc}") from exc
 
-    def execute(self, peer: "Peer", op: int, local_address: int, remote_address: int,
+    def execute(self, peer: Peer, op: int, local_address: int, remote_address: int,
                 nbytes: int) -> None:
         self.execute_many(peer, [(0, op, local_address, remote_address, nbytes)])
 
-    def execute_many(self, peer: "Peer", slices: list[tuple[int, int, int, int, int]]) -> None:
+    def execute_many(self, peer: Peer, slices: list[tuple[int, int, int, int, int]]) -> None:
         """Check every slice against the live descriptor, then copy them all in one call."""
         desc = peer.descriptor
         if desc.pid == os.getpid():
@@ -415,7 +415,7 @@ class ShmTransport(Transport):
             self._release_maps(list(maps.values()))
         return list(maps.values())
 
-    def _unchanged(self, peer: "Peer", touched: list[_Mapping]) -> bool:
+    def _unchanged(self, peer: Peer, touched: list[_Mapping]) -> bool:
         """After an epoch change: is every memfd we copied through still the peer's file?"""
         desc = peer.refresh()
         live = {r.memfd: r for r in desc.regions if r.memfd >= 0}
@@ -447,7 +447,7 @@ class ShmTransport(Transport):
         finally:
             table.release_many(held)
 
-    def forget(self, peer: "Peer") -> None:
+    def forget(self, peer: Peer) -> None:
         pid = peer.descriptor.pid
         with self._lock:
             for key in [k for k in self._verified if k[0] == pid]:

@@ -29,11 +29,12 @@ from ...errors import AddressError, MooncakeError, ProtocolError, TransferError,
 from .. import memory, protocol
 from ..listener import (DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ConnectionServer,
                         idle_waiter, set_deadline)
+from ..peer import Peer
 from ..segment import RegionTable
-from .base import OP_WRITE, Transport, use_default
+from .base import HOST, OP_WRITE, PRIORITY_TCP, Transport, use_default
 
 if TYPE_CHECKING:
-    from ..engine import Peer
+    from ...config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +320,14 @@ class TcpTransport(Transport):
     ``execute_many`` are pipelined on one borrowed connection."""
 
     name = "tcp"
+    priority = PRIORITY_TCP
+    memory_kinds = frozenset({HOST})
     task_nbytes = TASK_NBYTES
+
+    @classmethod
+    def from_config(cls, config: "EngineConfig") -> "TcpTransport":
+        return cls(config.connections_per_peer, config.connect_timeout_s,
+                   config.transfer_timeout_s)
 
     def __init__(self, connections_per_peer: int = 4, connect_timeout_s: float = 5.0,
                  transfer_timeout_s: float = 30.0) -> None:
@@ -331,7 +339,7 @@ class TcpTransport(Transport):
         self._ids = itertools.count(1)
         self._spin_us = spin_us()
 
-    def supports(self, peer: "Peer") -> bool:
+    def supports(self, peer: Peer) -> bool:
         return True
 
     def _pool(self, host: str, port: int) -> _Pool:
@@ -343,12 +351,12 @@ class TcpTransport(Transport):
                                                           self._transfer_timeout_s)
             return pool
 
-    def execute(self, peer: "Peer", op: int, local_address: int, remote_address: int,
+    def execute(self, peer: Peer, op: int, local_address: int, remote_address: int,
                 nbytes: int) -> None:
         desc = peer.descriptor
         self.request(desc.host, desc.port, op, local_address, remote_address, nbytes)
 
-    def execute_many(self, peer: "Peer", slices: list[tuple[int, int, int, int, int]]) -> None:
+    def execute_many(self, peer: Peer, slices: list[tuple[int, int, int, int, int]]) -> None:
         desc = peer.descriptor
         self.pipeline(desc.host, desc.port, [s[1:] for s in slices])
 
@@ -465,7 +473,7 @@ class TcpTransport(Transport):
             raise from_code(status, f"{host}:{port}: {reply.decode('utf-8', 'replace')}")
         return reply
 
-    def forget(self, peer: "Peer") -> None:
+    def forget(self, peer: Peer) -> None:
         with self._lock:
             pool = self._pools.pop((peer.descriptor.host, peer.descriptor.port), None)
         if pool:
