@@ -11,7 +11,11 @@ from pathlib import Path
 from setuptools import setup
 
 HERE = Path(__file__).parent
-NATIVE = ["buffers", "tcp", "shm", "fast_copy"]
+NATIVE = ["buffers", "tcp", "shm", "fast_copy", "cuda"]
+# Extra libraries per module. cuda links no CUDA library and reads no CUDA header: it
+# dlopens libcuda.so.1 at first use (libdl for glibc < 2.34), so one wheel serves machines
+# with or without CUDA, and any CUDA 12 or 13 driver.
+LIBRARIES: dict[str, list[str]] = {"cuda": ["dl"]}
 # Optional modules: name -> header that must exist for it to build.
 OPTIONAL: dict[str, str] = {}
 
@@ -31,7 +35,8 @@ def _extensions():
             print(f"mooncake_plugins: skipping native module {name!r}: {header} not found")
     exts = [
         Extension(f"mooncake_plugins._native.{name}", [f"native/{name}.pyx"],
-                  define_macros=[("_GNU_SOURCE", "1")], extra_compile_args=["-O2"])
+                  define_macros=[("_GNU_SOURCE", "1")], extra_compile_args=["-O2"],
+                  libraries=LIBRARIES.get(name, []))
         for name in names
     ]
     print("mooncake_plugins: accelerated build:", ", ".join(names))

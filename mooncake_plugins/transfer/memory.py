@@ -1,18 +1,26 @@
-"""Raw memory helpers: buffer -> address, address -> memoryview, copies.
+"""Raw memory helpers: buffer -> address, address -> memoryview, copies, memory kinds.
 
 Native (``_native.buffers``) when built, else an honest ctypes fallback with the same
 names. Callers pass only addresses that ``segment.py`` has already bounds-checked.
+
+Kinds and locations (:func:`kind_of`, :func:`location_of`, :func:`resolve_location`,
+:func:`tensor_location`): ``"host"``/``"cpu"`` or ``"cuda"``/``"cuda:N"``, asked of CUDA
+(``cuda.py``) only when a CUDA driver is loaded in this process; without one, an address
+that is not mapped here (a device pointer, a typo) is an InvalidArgument, never a crash.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
+import os
 from typing import Any
 
 from ..config import PURE_PYTHON
 from ..errors import InvalidArgument
+from . import cuda
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +34,17 @@ except ImportError as exc:  # pragma: no cover - depends on the build
 
 _libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL around each call
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MS_ASYNC = 1
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
 _MADV_POPULATE = {False: 22, True: 23}  # MADV_POPULATE_READ / _WRITE, Linux 5.14+
 _PAGE = mmap.PAGESIZE
 
@@ -146,10 +165,18 @@ def view_of(keep: Any, address: int, nbytes: int, readonly: bool = False) -> mem
 
 
 def address_of(obj: Any) -> tuple[int, int]:
-    """Return ``(address, nbytes)`` of a contiguous buffer or a CPU torch tensor (not held)."""
+    """Return ``(address, nbytes)`` of a contiguous buffer or a CPU torch tensor (not held).
+
+    Raises:
+        InvalidArgument: a GPU tensor (the engine does not move GPU memory yet); for a
+            CUDA tensor where CUDA does not work, the message says why.
+    """
     ptr = getattr(obj, "data_ptr", None)
     if callable(ptr):  # torch.Tensor without importing torch
-        if getattr(getattr(obj, "device", None), "type", "cpu") != "cpu":
+        device_type, index = _tensor_device(obj)
+        if device_type == "cuda":
+            _require_cuda(f"a CUDA tensor (cuda:{index})")
+        if device_type != "cpu":
             raise InvalidArgument("GPU tensors need the cuda_ipc transport; pass a CPU tensor")
         if not obj.is_contiguous():
             raise InvalidArgument("tensor is not contiguous")
@@ -159,3 +186,136 @@ def address_of(obj: Any) -> tuple[int, int]:
         return exp.address, exp.nbytes
     finally:
         exp.release()
+
+
+# -- memory kinds and locations ------------------------------------------------------------
+
+HOST = "host"
+CUDA = "cuda"
+
+
+def _tensor_device(obj: Any) -> tuple[str, int]:
+    """``(type, index)`` of a torch-like tensor's device, without importing torch:
+    ``device`` may be a ``torch.device``, a string such as ``"cuda:1"``, or absent
+    (then ``is_cuda`` decides)."""
+    device = getattr(obj, "device", None)
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        return kind, int(index) if index.isdigit() else 0
+    if device is not None and isinstance(getattr(device, "type", None), str):
+        index = getattr(device, "index", None)
+        return device.type, index if isinstance(index, int) else 0
+    return (CUDA, 0) if getattr(obj, "is_cuda", False) is True else ("cpu", -1)
+
+
+def _require_cuda(what: str) -> None:
+    """InvalidArgument naming ``what`` and the reason when CUDA does not work here."""
+    if not cuda.available():
+        raise InvalidArgument(f"{what} needs CUDA, and {cuda.why_unavailable()}")
+
+
+def _readable(address: int) -> bool:
+    """Whether one byte at ``address`` can be read (process_vm_readv on ourselves: EFAULT,
+    no signal, for unmapped or PROT_NONE memory such as CUDA's address reservations)."""
+    byte = ctypes.c_char()
+    local = _IoVec(ctypes.addressof(byte), 1)
+    remote = _IoVec(address, 1)
+    if _libc.process_vm_readv(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == 1:
+        return True
+    return ctypes.get_errno() in (errno.ENOSYS, errno.EPERM)  # a sandbox forbids the probe
+
+
+def _host_mapped(address: int, nbytes: int) -> bool:
+    """Whether ``[address, address + nbytes)`` is mapped in this process (msync reports
+    ENOMEM for any unmapped page; MS_ASYNC makes it a lookup only) and its ends readable."""
+    start = address & ~(_PAGE - 1)
+    end = address + max(nbytes, 1)
+    if end > 1 << 64 or start == 0:
+        return False
+    if _libc.msync(start, end - start, _MS_ASYNC) != 0:
+        return False
+    return _readable(address) and _readable(end - 1)
+
+
+def kind_of(address: int, nbytes: int = 0) -> str:
+    """``"host"`` or ``"cuda"``: what the memory at ``address`` is.
+
+    CUDA is asked only when a driver is loaded in this process (no CUDA memory exists
+    otherwise). Called by the engine on registration, from the registering thread.
+
+    Raises:
+        InvalidArgument: not an address; or memory that is neither CUDA memory nor mapped
+            here (a device pointer without CUDA is one: the message says why CUDA is off).
+    """
+    if isinstance(address, bool) or not isinstance(address, int) or not 0 <= address < 1 << 64:
+        raise InvalidArgument(f"bad address {address!r}: an int in [0, 2**64)")
+    if nbytes < 0 or address + nbytes > 1 << 64:
+        raise InvalidArgument(f"bad range 0x{address:x} + {nbytes}")
+    if cuda.driver_in_process() and cuda.available():
+        info = cuda.pointer_info(address)
+        if info.kind == CUDA:
+            if info.nbytes and address + nbytes > info.base + info.nbytes:
+                raise InvalidArgument(
+                    f"0x{address:x} + {nbytes} runs past its CUDA allocation "
+                    f"(0x{info.base:x} + {info.nbytes} on cuda:{info.device})")
+            return CUDA
+    if _host_mapped(address, nbytes):
+        return HOST
+    if not cuda.driver_in_process():
+        why = "and no CUDA driver is loaded, so it is no GPU memory either"
+    elif cuda.available():
+        why = "and CUDA does not know it"
+    else:
+        why = f"and CUDA cannot be asked: {cuda.why_unavailable()}"
+    raise InvalidArgument(f"0x{address:x} + {nbytes} is not readable memory of this process {why}")
+
+
+def location_of(address: int, nbytes: int = 0) -> str:
+    """The engine's location string of the memory: ``"cpu"`` or ``"cuda:N"`` (as the
+    original resolves ``"*"``). Raises InvalidArgument as :func:`kind_of`."""
+    if kind_of(address, nbytes) == CUDA:
+        return cuda.pointer_info(address).location
+    return "cpu"
+
+
+def resolve_location(address: int, nbytes: int, location: str = "*") -> str:
+    """The location to register memory under: ``"*"`` becomes :func:`location_of`; a
+    given ``"cpu[:N]"`` or ``"cuda[:N]"`` must match what the memory is.
+
+    Raises:
+        InvalidArgument: a bad location string, or one the memory contradicts (a device
+            pointer registered as cpu, host memory as cuda, the wrong GPU).
+    """
+    if location in ("*", "", None):
+        return location_of(address, nbytes)
+    kind, _, index = location.partition(":")
+    if kind not in ("cpu", CUDA) or (index and not index.isdigit()):
+        raise InvalidArgument(f"bad location {location!r}: '*', 'cpu', 'cpu:N' or 'cuda:N'")
+    actual = kind_of(address, nbytes)
+    if kind == "cpu":
+        if actual != HOST:
+            raise InvalidArgument(f"0x{address:x} is CUDA memory ({location_of(address)}), "
+                                  f"registered as {location!r}")
+        return location  # cpu:N is a NUMA hint the caller knows better than we do
+    if actual != CUDA:
+        raise InvalidArgument(f"0x{address:x} is host memory, registered as {location!r}")
+    found = location_of(address)
+    if index and found != location:
+        raise InvalidArgument(f"0x{address:x} is on {found}, registered as {location!r}")
+    return found
+
+
+def tensor_location(obj: Any) -> str:
+    """``"cpu"`` or ``"cuda:N"`` of a torch-like tensor, without importing torch.
+
+    Raises:
+        InvalidArgument: a CUDA tensor where CUDA does not work (the reason is in the
+            message), or another device type.
+    """
+    device_type, index = _tensor_device(obj)
+    if device_type == "cpu":
+        return "cpu"
+    if device_type == CUDA:
+        _require_cuda(f"a CUDA tensor (cuda:{index})")
+        return f"cuda:{index}"
+    raise InvalidArgument(f"{device_type} tensors are not supported; pass a CPU or CUDA tensor")
