@@ -147,7 +147,9 @@ def ours_gbps(protocol: str, op: str, a: argparse.Namespace) -> dict:
         stop(target)
 
 
-ORIG_TARGET = textwrap.dedent("""
+# A target through the original API: the original wheel, or our drop-in (whichever
+# `mooncake` the interpreter imports).
+API_TARGET = textwrap.dedent("""
     import sys, time
     from mooncake.engine import TransferEngine
     te = TransferEngine()
@@ -189,18 +191,6 @@ ORIG_INITIATOR = textwrap.dedent("""
     print(json.dumps({"bytes": moved[0], "seconds": time.perf_counter() - t0}))
 """)
 
-
-API_TARGET = textwrap.dedent("""
-    import sys, time
-    from mooncake.engine import TransferEngine
-    te = TransferEngine()
-    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    addr = te.allocate_managed_buffer(int(sys.argv[1]))
-    assert addr
-    print("READY", te.get_rpc_port(), addr, flush=True)
-    while True:
-        time.sleep(3600)
-""")
 
 API_INITIATOR = textwrap.dedent("""
     import json, sys, time
@@ -258,7 +248,7 @@ def ensure_original() -> Path | None:
 
 def original_gbps(py: Path, op: str, a: argparse.Namespace) -> float:
     env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
-    target, (port, raddr) = start_ready([str(py), "-c", ORIG_TARGET, str(a.buffer)], env)
+    target, (port, raddr) = start_ready([str(py), "-c", API_TARGET, str(a.buffer)], env)
     try:
         out = subprocess.run([str(py), "-c", ORIG_INITIATOR, port, raddr, str(a.buffer),
                               str(a.block), str(a.batch), str(a.threads), str(a.duration), op],

@@ -97,17 +97,22 @@ def candidates(etcd_server: str) -> Iterator:
         c.close()
 
 
+def _ha_store(candidates, nodes) -> StoreClient:
+    """Two holder processes and a client following the candidates' leader through etcd."""
+    master = f"etcd://{candidates.endpoints}"
+    for _ in range(2):
+        nodes(master, "--cluster_id", candidates.cluster, "--segment", str(64 << 20))
+    return StoreClient(master, cluster_id=candidates.cluster, global_segment_size=0,
+                       rpc_timeout_s=5, failover_timeout_s=RECOVERY_TIMEOUT_S)
+
+
 @pytest.mark.etcd
 @pytest.mark.slow
 def test_leader_kill_under_load_loses_no_acknowledged_object(candidates, nodes) -> None:
     leader = candidates()
     leader.wait_leading(30)
     waiting = [candidates()]
-    master = f"etcd://{candidates.endpoints}"
-    for _ in range(2):
-        nodes(master, "--cluster_id", candidates.cluster, "--segment", str(64 << 20))
-    client = StoreClient(master, cluster_id=candidates.cluster, global_segment_size=0,
-                         rpc_timeout_s=5, failover_timeout_s=RECOVERY_TIMEOUT_S)
+    client = _ha_store(candidates, nodes)
     report = []
     try:
         with Load(client) as load:
@@ -139,11 +144,7 @@ def test_leader_restarted_on_its_own_address_loses_nothing(candidates, nodes) ->
     port = free_port()
     leader = candidates(port)
     leader.wait_leading(30)
-    master = f"etcd://{candidates.endpoints}"
-    for _ in range(2):
-        nodes(master, "--cluster_id", candidates.cluster, "--segment", str(64 << 20))
-    client = StoreClient(master, cluster_id=candidates.cluster, global_segment_size=0,
-                         rpc_timeout_s=5, failover_timeout_s=RECOVERY_TIMEOUT_S)
+    client = _ha_store(candidates, nodes)
     report = []
     try:
         with Load(client) as load:
