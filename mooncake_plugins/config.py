@@ -13,6 +13,12 @@ PURE_PYTHON: bool = os.environ.get("MOONCAKE_PUREPYTHON") == "1"
 """Force the pure-Python fallbacks even where the native extensions are built."""
 
 
+DEFAULT_TRANSPORTS: tuple[str, ...] = ("cuda_ipc", "shm", "tcp")
+"""Transports of an engine not told otherwise. ``cuda_ipc`` among them is used only in a
+process that already loaded a CUDA driver (a framework using the GPU), and is silently off
+elsewhere; named in MC_TRANSPORTS, it loads the driver, with a warning where it cannot."""
+
+
 def _int_env(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -94,7 +100,9 @@ class EngineConfig:
         transports: transports the engine may use (MC_TRANSPORTS, comma separated; names
             from the transport registry: "shm", "tcp", ...). Per peer and memory kind the
             engine uses those that qualify best first, by each transport's declared rank
-            (shm before tcp; "shm" reaches only same-host peers), not by this list's order.
+            (cuda_ipc before shm before tcp; "shm" and "cuda_ipc" reach only same-host
+            peers, "cuda_ipc" moves GPU memory only), not by this list's order. Default:
+            :data:`DEFAULT_TRANSPORTS`.
         retries: extra attempts of a failed slice on another path (MC_RETRIES).
         inline_nbytes: batches up to this size run in the submitting thread, without a
             worker handoff (MC_INLINE_SIZE); ``submit`` then returns a finished batch.
@@ -105,7 +113,7 @@ class EngineConfig:
     connections_per_peer: int = field(default_factory=lambda: _cpu_default())
     transfer_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
-    transports: list[str] = field(default_factory=lambda: ["shm", "tcp"])
+    transports: list[str] = field(default_factory=lambda: list(DEFAULT_TRANSPORTS))
     retries: int = 1
     inline_nbytes: int = 256 << 10
 

@@ -250,9 +250,12 @@ def driver_in_process() -> bool:
     No CUDA memory can exist in a process that never loaded the driver, so this answers
     "could this address be GPU memory?" without loading (or initialising) CUDA.
     """
-    global _driver_seen
+    global _driver_seen, _checked_adds
     if _driver_seen or _state == "ready":
         return True
+    adds = _loaded_objects_added()
+    if adds is not None and adds == _checked_adds:
+        return False  # no library was loaded since the last look found no driver
     mode = os.RTLD_NOW | os.RTLD_NOLOAD
     for name in library_candidates():
         try:
@@ -261,7 +264,48 @@ def driver_in_process() -> bool:
             continue
         _driver_seen = True
         return True
+    _checked_adds = adds
     return False
+
+
+class _PhdrInfo(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p),
+                ("phdr", ctypes.c_void_p), ("phnum", ctypes.c_uint16),
+                ("adds", ctypes.c_ulonglong), ("subs", ctypes.c_ulonglong)]
+
+
+_PHDR_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_PhdrInfo), ctypes.c_size_t,
+                                  ctypes.c_void_p)
+_checked_adds: int | None = None
+_adds_seen = [0]
+
+
+def _first_object(info: Any, size: int, data: Any) -> int:
+    if size >= _PhdrInfo.adds.offset + 8:
+        _adds_seen[0] = info.contents.adds
+    else:  # a C library without the counters: every call checks in full
+        _adds_seen[0] = -1
+    return 1  # the first object is enough: the counter is process-wide
+
+
+_first_object_c = _PHDR_CALLBACK(_first_object)
+try:
+    _dl_iterate_phdr: Any = ctypes.CDLL(None).dl_iterate_phdr
+    _dl_iterate_phdr.argtypes = [_PHDR_CALLBACK, ctypes.c_void_p]
+    _dl_iterate_phdr.restype = ctypes.c_int
+except AttributeError:  # pragma: no cover - not glibc
+    _dl_iterate_phdr = None
+
+
+def _loaded_objects_added() -> int | None:
+    """How many shared objects were ever loaded in this process (glibc's dlpi_adds): a
+    cheap way (a few us) to know nothing new, so no driver, was loaded since last time;
+    None where it cannot be told."""
+    if _dl_iterate_phdr is None:
+        return None
+    _dl_iterate_phdr(_first_object_c, None)
+    adds = _adds_seen[0]
+    return None if adds < 0 else adds
 
 
 def device_count() -> int:
@@ -586,23 +630,29 @@ class IpcDriver(Protocol):
     def device_pci_bus_id(self, device: int) -> str: ...
 
 
-@dataclass
+@dataclass(eq=False)
 class _Mapping:
     handle: bytes
     address: int
     device: int
+    tag: Any = None
+    users: int = 0
+    retired: bool = False
 
 
 class IpcCache:
     """Peer allocations mapped into this process: each opened once per (peer, base).
 
     CUDA maps a handle only once per process, and opening costs milliseconds, so the
-    cuda_ipc transport asks here for every slice. A handle that changes for the same
-    (peer, base) (the peer freed and reallocated there) replaces the old mapping.
+    cuda_ipc transport asks here for every batch. A handle or ``tag`` that changes for the
+    same (peer, base) (the peer freed and registered again there) replaces the old mapping.
 
-    The caller guarantees no copy uses a peer's mappings while :meth:`forget` or
-    :meth:`close` unmaps them. Lock: one, held across an open or close (a blocking driver
-    call) so that two threads never map the same handle twice.
+    Mappings taken with :meth:`acquire` are in use until :meth:`release`: :meth:`forget`,
+    :meth:`close` or a replacement then unmap them only when their last user lets go (a
+    copy never runs through an unmapped address). Mappings from :meth:`open` are not
+    counted: the caller guarantees no copy uses them while they are unmapped. Lock: one,
+    held across an open or close (a blocking driver call) so that two threads never map
+    the same handle twice.
     """
 
     def __init__(self, driver: IpcDriver | None = None) -> None:
@@ -626,47 +676,81 @@ class IpcCache:
                 return device
         return 0
 
-    def open(self, peer: str, handle: IpcHandle, device: int | None = None) -> int:
+    def _get(self, peer: str, handle: IpcHandle, device: int | None, tag: Any) -> _Mapping:
+        key = (peer, handle.base)
+        mapping = self._maps.get(key)
+        if mapping is not None:
+            if mapping.handle == handle.handle and mapping.tag == tag:
+                return mapping
+            self._unmap(key, mapping)  # stale: the peer reallocated or re-registered there
+        drv = self._driver()
+        local = self.local_device(handle) if device is None else device
+        address = drv.ipc_open(handle.handle, local)
+        mapping = self._maps[key] = _Mapping(handle.handle, address, local, tag)
+        self.opened += 1
+        return mapping
+
+    def open(self, peer: str, handle: IpcHandle, device: int | None = None,
+             tag: Any = None) -> int:
         """This process's address of ``handle.base`` of ``peer``, mapping it on first use.
 
         Args:
             device: the local device to map into (default: :meth:`local_device`).
+            tag: what else identifies the allocation (the region's generation): a new tag
+                at the same base is a new mapping.
 
         Raises:
             CudaError: the driver could not map it.
         """
-        key = (peer, handle.base)
         with self._lock:
-            mapping = self._maps.get(key)
-            if mapping is not None:
-                if mapping.handle == handle.handle:
-                    return mapping.address
-                self._unmap(key, mapping)  # stale: the peer reallocated at that base
-            drv = self._driver()
-            local = self.local_device(handle) if device is None else device
-            address = drv.ipc_open(handle.handle, local)
-            self._maps[key] = _Mapping(handle.handle, address, local)
-            self.opened += 1
-            return address
+            return self._get(peer, handle, device, tag).address
+
+    def acquire(self, peer: str, handle: IpcHandle, device: int | None = None,
+                tag: Any = None) -> _Mapping:
+        """:meth:`open`, counting one more user: returns the mapping (``address``,
+        ``device``), to hand back to :meth:`release`."""
+        with self._lock:
+            mapping = self._get(peer, handle, device, tag)
+            mapping.users += 1
+            return mapping
+
+    def release(self, mappings: Any) -> None:
+        """Let go of mappings from :meth:`acquire`; retired ones are unmapped now."""
+        with self._lock:
+            for mapping in mappings:
+                mapping.users -= 1
+                if mapping.retired and mapping.users == 0:
+                    self._close_mapping(mapping)
 
     def _unmap(self, key: tuple[str, int], mapping: _Mapping) -> None:
         del self._maps[key]
+        mapping.retired = True
+        if mapping.users == 0:
+            self._close_mapping(mapping)
+
+    def _close_mapping(self, mapping: _Mapping) -> None:
         try:
             self._driver().ipc_close(mapping.address, mapping.device)
         except CudaError as exc:
-            log.warning("closing the CUDA IPC mapping of %s at 0x%x failed: %s", key[0],
-                        key[1], exc)
+            log.warning("closing the CUDA IPC mapping at 0x%x failed: %s", mapping.address, exc)
 
-    def forget(self, peer: str) -> int:
-        """Unmap every allocation of ``peer`` (it went away or republished); how many."""
+    def forget(self, peer: str, keep: Any = None) -> int:
+        """Unmap the allocations of ``peer`` (it went away or republished), except the
+        ``(base, tag)`` pairs in ``keep``; how many were dropped."""
         with self._lock:
-            keys = [k for k in self._maps if k[0] == peer]
+            keys = [k for k, m in self._maps.items()
+                    if k[0] == peer and not (keep and (k[1], m.tag) in keep)]
             for key in keys:
                 self._unmap(key, self._maps[key])
             return len(keys)
 
+    def peers(self) -> set[str]:
+        """The peers with mappings open."""
+        with self._lock:
+            return {k[0] for k in self._maps}
+
     def close(self) -> None:
-        """Unmap everything."""
+        """Unmap everything (mappings in use: when their last user lets go)."""
         with self._lock:
             for key in list(self._maps):
                 self._unmap(key, self._maps[key])

@@ -30,14 +30,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 
-from ..config import EngineConfig
+from ..config import DEFAULT_TRANSPORTS, EngineConfig
 from ..errors import (AddressError, InvalidArgument, MetadataError, MooncakeError, RegionBusy,
                       SegmentNotFound, TransferError, TransferTimeout, TransportUnavailable)
-from . import memory
+from . import cuda, memory
 from .batch import Batch, OpCode, TransferRequest, validate_range, validate_request
 from .metadata import MetadataStore, from_url
 from .peer import Peer
-from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor
+from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor, check_range
 from .topology import host_id
 from .transports import registry
 from .transports.base import HOST, HOST_KINDS, OP_READ, OP_WRITE, Transport, kind_of_location
@@ -53,6 +53,8 @@ DESCRIPTOR_TTL_S = 10.0
 """A published descriptor outlives its engine by at most this long (renewed every third)."""
 P2P = "P2PHANDSHAKE"
 _HOST_ONLY = frozenset({HOST})
+_GENERATIONS = itertools.count(1)
+"""Generations of GPU registrations (process-wide: a peer keys its mappings by our pid too)."""
 MAX_PENDING_NOTIFIES = 65536
 """Notifications kept until ``take_notifies``; a peer sending more is refused (bounded memory)."""
 
@@ -215,14 +217,22 @@ class TransferEngine:
         # the control client (describe, notify to peers' rpc ports); it moves data only
         # when its transport is also in config.transports
         self._control = registry.build_transport(registry.CONTROL, self.config)
+        implicit = list(self.config.transports) == list(DEFAULT_TRANSPORTS)
         for name in dict.fromkeys(self.config.transports):
             if name == registry.CONTROL:
                 self._transports.append(self._control)
                 continue
+            if implicit and name in registry.OPT_IN and not cuda.driver_in_process():
+                # by default, never the one to load (and initialise) CUDA in a process
+                # that does not use it: a fork after that would leave children without it
+                log.debug("transport %s off: no CUDA driver is loaded in this process "
+                          "(name it in MC_TRANSPORTS to load one)", name)
+                continue
             try:
                 self._transports.append(registry.build_transport(name, self.config))
             except TransportUnavailable as exc:
-                log.warning("transport %s disabled: %s", name, exc)
+                (log.debug if implicit and name in registry.OPT_IN else log.warning)(
+                    "transport %s disabled: %s", name, exc)
         self._transports = registry.rank(self._transports)  # best first: see _paths
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="mc-worker")
         publish_local(self.rpc_port, self._regions)
@@ -249,37 +259,74 @@ class TransferEngine:
 
     # -- registration ----------------------------------------------------------------
     def register(self, buffer: Any, location: str = "*", private: bool = False) -> Region:
-        """Register a buffer object (bytearray, numpy array, mmap, CPU tensor, bytes read-only).
+        """Register a buffer object (bytearray, numpy array, mmap, CPU or CUDA tensor,
+        bytes read-only).
 
         The object is kept alive, and cannot be resized, until ``unregister``. A
         ``private`` region is only usable as the local side of our own transfers: it is not
-        published (cheap to add and remove) and peers cannot touch it.
+        published (cheap to add and remove) and peers cannot touch it. A CUDA tensor is
+        registered as ``cuda:N`` (see :meth:`register_address`); where CUDA does not
+        work, it is an InvalidArgument saying why.
         """
         if callable(getattr(buffer, "data_ptr", None)):
-            address, nbytes = memory.address_of(buffer)
-            return self._add(RegionInfo(address, nbytes, location), keepalive=buffer, private=private)
+            address, nbytes = memory.address_of(buffer, allow_cuda=True)
+            if location in ("*", "", None):
+                location = memory.tensor_location(buffer)
+            return self._add(address, nbytes, location, keepalive=buffer, private=private)
         try:
             exp = memory.Export(buffer, False)
         except (TypeError, BufferError) as exc:
             raise InvalidArgument(f"cannot register {type(buffer).__name__}: {exc}") from exc
         try:
-            return self._add(RegionInfo(exp.address, exp.nbytes, location,
-                                        readonly=bool(exp.readonly)), keepalive=exp, private=private)
+            return self._add(exp.address, exp.nbytes, location, readonly=bool(exp.readonly),
+                             keepalive=exp, private=private)
         except BaseException:
             exp.release()
             raise
 
     def register_address(self, address: int, nbytes: int, location: str = "*",
                          private: bool = False) -> Region:
-        """Register raw memory; the caller keeps it valid until ``unregister``."""
-        return self._add(RegionInfo(address, nbytes, location), private=private)
+        """Register raw memory; the caller keeps it valid until ``unregister``.
 
-    def _add(self, info: RegionInfo, keepalive: Any = None, private: bool = False) -> Region:
-        self._check_open()
+        ``location`` as the original's ``register_memory``: ``"*"`` (found from the
+        pointer: ``"cpu"`` or ``"cuda:N"``), ``"cpu"``, ``"cpu:N"`` or ``"cuda:N"``. Host
+        memory is taken at the caller's word (no probe); GPU memory must lie in one CUDA
+        allocation and is published with that allocation's IPC handle, for same-host
+        peers (the cuda_ipc transport). The bounds and overlap rules are host memory's.
+        """
+        return self._add(address, nbytes, location, private=private)
+
+    def _add(self, address: int, nbytes: int, location: Any, readonly: bool = False,
+             keepalive: Any = None, private: bool = False) -> Region:
+        if self._closed:
+            self._check_open()
+        if location == "*" and not cuda.driver_in_process():
+            location = "cpu"  # host memory's fast path: no GPU memory can exist here
+        else:
+            location = memory.registration_location(address, nbytes, location)
+        if location[:4] == "cuda":
+            info = self._cuda_region(address, nbytes, location, readonly)
+        else:
+            info = RegionInfo(address, nbytes, location, readonly=readonly)
         region = self._regions.add(Region(info, keepalive=keepalive, private=private))
         if not private:
             self._changed()
         return region
+
+    def _cuda_region(self, address: int, nbytes: int, location: str,
+                     readonly: bool) -> RegionInfo:
+        """A GPU region's info: a fresh generation, and its allocation's IPC handle when
+        CUDA can export one (else None: only this process's own transfers reach it)."""
+        check_range(address, nbytes)
+        ipc = None
+        try:
+            if cuda.driver_in_process() and cuda.available():  # else: the caller's word
+                ipc = cuda.export_ipc(address)
+        except cuda.CudaError as exc:
+            log.info("GPU memory 0x%x+%d has no CUDA IPC handle (%s): peers of this host "
+                     "cannot reach it", address, nbytes, exc)
+        return RegionInfo(address, nbytes, location, readonly=readonly,
+                          generation=next(_GENERATIONS), ipc=ipc)
 
     def unregister(self, address: int | Region, wait_s: float = 1.0) -> None:
         """Unregister the region starting at ``address``.
@@ -302,6 +349,12 @@ class TransferEngine:
         self._check_open()
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise InvalidArgument(f"nbytes must be a positive int, got {nbytes!r}")
+        if location in ("*", "", None):
+            location = "cpu"
+        elif not (location == "cpu" or location[:4] == "cpu:" and location[4:].isdigit()):
+            raise InvalidArgument(f"allocate makes host memory: location {location!r} must be "
+                                  f"'*', 'cpu' or 'cpu:N' (register GPU memory a framework "
+                                  f"allocated instead)")
         mf = _Memfd("mooncake-buffer", nbytes)
         try:
             region = self._regions.add(Region(RegionInfo(mf.export.address, nbytes, location, mf.fd),
@@ -347,6 +400,9 @@ class TransferEngine:
             AddressError: the range is not inside one registered region.
         """
         region = self._regions.find(address, nbytes)
+        if region.device and not memory.is_export(region.keepalive):  # a buffer is the CPU's
+            raise InvalidArgument(f"0x{address:x} is GPU memory ({region.info.location}): "
+                                  f"the CPU has no view of it")
         return memory.view_of(region.keepalive, address, nbytes, readonly=region.readonly)
 
     def regions(self) -> list[RegionInfo]:

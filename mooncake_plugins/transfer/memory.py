@@ -145,6 +145,11 @@ def use(native: bool) -> None:
 use(_native is not None and not PURE_PYTHON)
 
 
+def is_export(keep: Any) -> bool:
+    """Whether ``keep`` is an :class:`Export` (memory of a buffer-protocol object: the CPU's)."""
+    return isinstance(keep, _PyExport) or (_native is not None and isinstance(keep, _native.Export))
+
+
 def view_of(keep: Any, address: int, nbytes: int, readonly: bool = False) -> memoryview:
     """A user-facing view of registered memory that keeps it mapped while the view lives.
 
@@ -152,7 +157,7 @@ def view_of(keep: Any, address: int, nbytes: int, readonly: bool = False) -> mem
     exports, so a release waits for the view) or any other owner (a tensor), which the
     view references. ``view`` above is the raw form for the data path's internal use.
     """
-    if isinstance(keep, _PyExport) or (_native is not None and isinstance(keep, _native.Export)):
+    if is_export(keep):
         if keep.released:
             raise BufferError("the registration behind this memory was released")
         start = address - keep.address
@@ -164,19 +169,22 @@ def view_of(keep: Any, address: int, nbytes: int, readonly: bool = False) -> mem
     return _py_view(address, nbytes, readonly, keep)
 
 
-def address_of(obj: Any) -> tuple[int, int]:
-    """Return ``(address, nbytes)`` of a contiguous buffer or a CPU torch tensor (not held).
+def address_of(obj: Any, allow_cuda: bool = False) -> tuple[int, int]:
+    """Return ``(address, nbytes)`` of a contiguous buffer or a torch tensor (not held).
+
+    Args:
+        allow_cuda: accept a CUDA tensor (the engine's ``register``: where CUDA works).
 
     Raises:
-        InvalidArgument: a GPU tensor (the engine does not move GPU memory yet); for a
-            CUDA tensor where CUDA does not work, the message says why.
+        InvalidArgument: a GPU tensor unless ``allow_cuda``; a CUDA tensor where CUDA does
+            not work (the message says why); another device type.
     """
     ptr = getattr(obj, "data_ptr", None)
     if callable(ptr):  # torch.Tensor without importing torch
         device_type, index = _tensor_device(obj)
         if device_type == "cuda":
             _require_cuda(f"a CUDA tensor (cuda:{index})")
-        if device_type != "cpu":
+        if device_type != "cpu" and not (allow_cuda and device_type == "cuda"):
             raise InvalidArgument("GPU tensors need the cuda_ipc transport; pass a CPU tensor")
         if not obj.is_contiguous():
             raise InvalidArgument("tensor is not contiguous")
@@ -319,3 +327,51 @@ def tensor_location(obj: Any) -> str:
         _require_cuda(f"a CUDA tensor (cuda:{index})")
         return f"cuda:{index}"
     raise InvalidArgument(f"{device_type} tensors are not supported; pass a CPU or CUDA tensor")
+
+
+def _is_host_location(location: Any) -> bool:
+    return location in ("*", "", None, "cpu") or (
+        isinstance(location, str) and location[:4] == "cpu:" and location[4:].isdigit())
+
+
+def registration_location(address: int, nbytes: int, location: Any = "*") -> str:
+    """The location the engine registers ``[address, address + nbytes)`` under.
+
+    Host memory costs nothing more than before GPU support: in a process without a CUDA
+    driver (no GPU memory can exist there), ``"*"``, ``"cpu"`` or ``"cpu:N"`` is taken at
+    the caller's word without touching the memory (``"*"`` becomes ``"cpu"``). With a
+    driver loaded, one pointer query decides (:func:`cuda.pointer_info`): GPU memory gets
+    ``"cuda:N"`` (checked against a given location and its allocation's end, as
+    :func:`resolve_location`); host memory keeps the caller's word, unprobed. An explicit
+    ``"cuda[:N]"`` where CUDA does not work is taken at the caller's word, as the original
+    takes it (nothing can check it): such a region has no IPC handle, and only a
+    transport moving GPU memory is pointed at it (never the tcp server or shm copies).
+
+    Raises:
+        InvalidArgument: a bad location, a location the memory contradicts, or GPU memory
+            (``cuda`` asked for) where CUDA does not work (the message says why).
+    """
+    if not isinstance(location, str) and location is not None:
+        raise InvalidArgument(f"bad location {location!r}: '*', 'cpu', 'cpu:N' or 'cuda:N'")
+    host = _is_host_location(location)
+    if host and not cuda.driver_in_process():
+        return "cpu" if location in ("*", "", None) else location  # type: ignore[return-value]
+    if not host:
+        kind, _, index = location.partition(":")  # type: ignore[union-attr]
+        if kind != CUDA or (index and not index.isdigit()):
+            raise InvalidArgument(f"bad location {location!r}: '*', 'cpu', 'cpu:N' or 'cuda:N'")
+        if not cuda.driver_in_process() or not cuda.available():
+            return location  # type: ignore[return-value]  # the caller's word, as upstream
+        return resolve_location(address, nbytes, location)  # type: ignore[arg-type]
+    if not cuda.available():  # a driver is loaded but unusable: no GPU memory reachable
+        return resolve_location(address, nbytes, location or "*")
+    info = cuda.pointer_info(address)
+    if info.kind != CUDA:
+        return "cpu" if location in ("*", "", None) else location  # type: ignore[return-value]
+    if location not in ("*", "", None):
+        raise InvalidArgument(f"0x{address:x} is CUDA memory ({info.location}), "
+                              f"registered as {location!r}")
+    if info.nbytes and address + nbytes > info.base + info.nbytes:
+        raise InvalidArgument(f"0x{address:x} + {nbytes} runs past its CUDA allocation "
+                              f"(0x{info.base:x} + {info.nbytes} on {info.location})")
+    return info.location

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import AddressError, InvalidArgument, ProtocolError, RegionBusy
+from .cuda import IpcHandle
 
 MAX_ADDRESS = (1 << 64) - 1
 
@@ -26,6 +27,12 @@ class RegionInfo:
     ``memfd`` is the fd number of the memfd backing the region in its owner (-1 when the
     region is ordinary process memory); same-host peers map it through /proc. Peers may
     READ a ``readonly`` region but never WRITE it.
+
+    GPU memory (``location`` ``cuda:N``) also carries ``generation``, drawn afresh for
+    every registration by its owner (so a peer never mistakes memory registered again at
+    the same address for what it mapped before), and ``ipc``, the CUDA IPC handle of the
+    allocation holding it (None where CUDA cannot export one, e.g. ``expandable_segments``
+    memory): same-host peers open it once and copy device to device.
     """
 
     address: int
@@ -33,6 +40,8 @@ class RegionInfo:
     location: str = "*"
     memfd: int = -1
     readonly: bool = False
+    generation: int = 0
+    ipc: IpcHandle | None = None
 
     def contains(self, address: int, nbytes: int) -> bool:
         return self.address <= address and address + nbytes <= self.address + self.nbytes
@@ -50,6 +59,13 @@ class Region:
     keepalive: Any = None
     private: bool = False
     inflight: int = 0
+    device: bool = False
+    """GPU memory (a ``cuda`` location): never touched by the CPU (tcp server, shm copies)."""
+
+    def __post_init__(self) -> None:
+        loc = self.info.location
+        if loc[:4] == "cuda":
+            self.device = loc[4:5] in ("", ":")
 
     @property
     def address(self) -> int:
@@ -71,6 +87,14 @@ def check_range(address: int, nbytes: int) -> None:
                               f"{type(nbytes).__name__}")
     if address < 0 or nbytes < 0 or address + nbytes > MAX_ADDRESS:
         raise InvalidArgument(f"bad range address=0x{address:x} nbytes={nbytes}")
+
+
+def _check_remote(region: Region, address: int, nbytes: int, device: bool) -> None:
+    if region.private:
+        raise AddressError(f"range 0x{address:x}+{nbytes} is not inside a registered region")
+    if region.device and not device:
+        raise AddressError(f"range 0x{address:x}+{nbytes} is GPU memory ({region.info.location}): "
+                           f"only the cuda_ipc transport reaches it")
 
 
 class RegionTable:
@@ -125,17 +149,19 @@ class RegionTable:
                 self.epoch += 1
         return region
 
-    def acquire(self, address: int, nbytes: int, remote: bool = False) -> Region:
+    def acquire(self, address: int, nbytes: int, remote: bool = False,
+                device: bool = False) -> Region:
         """Find the region holding ``[address, address+nbytes)`` and count one more user.
 
         Raises:
             AddressError: the range is not entirely inside one registered region (for a
-                ``remote`` peer: one that is not private).
+                ``remote`` peer: one that is not private; and, unless ``device``, not GPU
+                memory, which a peer's CPU copy must never be pointed at).
         """
         with self._lock:
             region = self._find(address, nbytes)
-            if remote and region.private:
-                raise AddressError(f"range 0x{address:x}+{nbytes} is not inside a registered region")
+            if remote:
+                _check_remote(region, address, nbytes, device)
             region.inflight += 1
             return region
 
@@ -145,14 +171,14 @@ class RegionTable:
             if region.inflight == 0:
                 self._drained.notify_all()
 
-    def acquire_many(self, ranges: list[tuple[int, int]], remote: bool = False) -> list[Region]:
+    def acquire_many(self, ranges: list[tuple[int, int]], remote: bool = False,
+                     device: bool = False) -> list[Region]:
         """:meth:`acquire` for every ``(address, nbytes)``, all or none, under one lock."""
         with self._lock:
             regions = [self._find(a, n) for a, n in ranges]
             if remote:
                 for (a, n), r in zip(ranges, regions):
-                    if r.private:
-                        raise AddressError(f"range 0x{a:x}+{n} is not inside a registered region")
+                    _check_remote(r, a, n, device)
             for r in regions:
                 r.inflight += 1
             return regions
@@ -216,8 +242,7 @@ class SegmentDescriptor:
     def to_wire(self) -> dict:
         return {"v": 1, "name": self.name, "host": self.host, "port": self.port, "pid": self.pid,
                 "host_id": self.host_id, "epoch": self.epoch, "epoch_memfd": self.epoch_memfd,
-                "regions": [[r.address, r.nbytes, r.location, r.memfd, r.readonly]
-                            for r in self.regions]}
+                "regions": [_region_to_wire(r) for r in self.regions]}
 
     @classmethod
     def from_wire(cls, obj: Any) -> "SegmentDescriptor":
@@ -236,16 +261,49 @@ class SegmentDescriptor:
         port, pid = need("port", int), need("pid", int)
         if not 0 < port < 65536 or pid <= 0:
             raise ProtocolError(f"segment descriptor has bad port {port} or pid {pid}")
-        regions = []
-        for item in need("regions", list):
-            if (not isinstance(item, list) or len(item) != 5
-                    or not all(isinstance(x, int) and not isinstance(x, bool)
-                               for x in (item[0], item[1], item[3]))
-                    or not isinstance(item[2], str) or not isinstance(item[4], bool)):
-                raise ProtocolError(f"segment descriptor has a malformed region {item!r}")
-            if item[0] < 0 or item[1] <= 0 or item[0] + item[1] > MAX_ADDRESS or item[3] < -1:
-                raise ProtocolError(f"segment descriptor has an impossible region {item!r}")
-            regions.append(RegionInfo(*item))
+        regions = [_region_from_wire(item) for item in need("regions", list)]
         return cls(name=need("name", str), host=need("host", str), port=port, pid=pid,
                    host_id=need("host_id", str), epoch=need("epoch", int),
                    epoch_memfd=need("epoch_memfd", int), regions=regions)
+
+
+def _region_to_wire(r: RegionInfo) -> list:
+    """Host memory: ``[address, nbytes, location, memfd, readonly]`` (as before GPU memory);
+    GPU memory adds ``generation`` and the IPC handle's wire form (or None)."""
+    if r.generation == 0 and r.ipc is None:
+        return [r.address, r.nbytes, r.location, r.memfd, r.readonly]
+    return [r.address, r.nbytes, r.location, r.memfd, r.readonly, r.generation,
+            None if r.ipc is None else r.ipc.to_wire()]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _region_from_wire(item: Any) -> RegionInfo:
+    """One region of a descriptor from the wire, every field checked (ProtocolError)."""
+    if (not isinstance(item, list) or len(item) not in (5, 7)
+            or not all(_is_int(x) for x in (item[0], item[1], item[3]))
+            or not isinstance(item[2], str) or not isinstance(item[4], bool)
+            or len(item[2]) > 64):
+        raise ProtocolError(f"segment descriptor has a malformed region {item!r}")
+    if item[0] < 0 or item[1] <= 0 or item[0] + item[1] > MAX_ADDRESS or item[3] < -1:
+        raise ProtocolError(f"segment descriptor has an impossible region {item!r}")
+    if len(item) == 5:
+        return RegionInfo(*item)
+    generation, wire = item[5], item[6]
+    loc = item[2]
+    is_cuda = loc[:4] == "cuda" and loc[4:5] in ("", ":")
+    if not _is_int(generation) or not 0 < generation <= MAX_ADDRESS or not is_cuda:
+        raise ProtocolError(f"segment descriptor has a malformed GPU region {item[:6]!r}")
+    ipc = None
+    if wire is not None:
+        try:
+            ipc = IpcHandle.from_wire(wire)
+        except InvalidArgument as exc:
+            raise ProtocolError(f"segment descriptor has a GPU region 0x{item[0]:x} with a "
+                                f"malformed IPC handle: {exc}") from None
+        if not ipc.base <= item[0] or item[0] + item[1] > ipc.base + ipc.nbytes:
+            raise ProtocolError(f"segment descriptor has a GPU region 0x{item[0]:x}+{item[1]} "
+                                f"outside its IPC allocation 0x{ipc.base:x}+{ipc.nbytes}")
+    return RegionInfo(item[0], item[1], loc, item[3], item[4], generation, ipc)

@@ -5,8 +5,8 @@ engine owns slicing, path choice and retries. It chooses among the transports bu
 from ``EngineConfig.transports`` through the registry (``registry.py``) by what each
 class declares:
 
-- ``supports(peer)``: whether it reaches that peer at all (shm: same host and a
-  verified pid; tcp: everyone);
+- ``supports(peer)``: whether it reaches that peer at all (shm and cuda_ipc: same host
+  and a verified pid; tcp: everyone);
 - ``memory_kinds``: the kinds of memory it moves, on either side of a slice
   (:data:`HOST`, :data:`CUDA`); ``moves(local_kind, remote_kind)`` refines the pairs;
 - ``priority``: its rank among the transports that qualify, highest first

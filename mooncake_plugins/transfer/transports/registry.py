@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 _REGISTRY: dict[str, tuple[str, str]] = {
     "tcp": ("mooncake_plugins.transfer.transports.tcp", "TcpTransport"),
     "shm": ("mooncake_plugins.transfer.transports.shm", "ShmTransport"),
+    "cuda_ipc": ("mooncake_plugins.transfer.transports.cuda_ipc", "CudaIpcTransport"),
 }
+OPT_IN = frozenset({"cuda_ipc"})
+"""Transports of the default list that an engine builds only where their device is already
+in use (CUDA: a driver loaded in the process), silently skipped elsewhere."""
 _LOCK = threading.Lock()
 
 CONTROL = "tcp"
