@@ -269,3 +269,37 @@ def test_free_does_not_hold_the_engine_lock_while_waiting(impl, stuck_write, mon
         freer.join(30)
         assert freed == [None]
         b.free(other)
+
+
+def test_seqlock_repeats_a_copy_the_regions_changed_under():
+    """The shm and cuda_ipc transports' one retry rule (ShmTransport.seqlocked): a copy is
+    done once the peer's epoch stayed put around it, or its regions are still the same
+    registrations; else it runs again on a fresh descriptor, and gives up after ATTEMPTS."""
+    from mooncake_plugins.errors import TransferError
+    from mooncake_plugins.transfer.peer import Peer
+    from mooncake_plugins.transfer.segment import SegmentDescriptor
+    from mooncake_plugins.transfer.transports.shm import ShmTransport
+
+    def descriptor(epoch: int) -> SegmentDescriptor:
+        return SegmentDescriptor("peer", "127.0.0.1", 1, 1, "h", epoch=epoch)
+
+    def run(epochs: list[int], unchanged: bool) -> list[SegmentDescriptor]:
+        t = ShmTransport()
+        reads = iter(epochs)
+        t._epoch_now = lambda desc: next(reads)  # the peer's epoch page, as read
+        fetched = iter(descriptor(e) for e in range(10, 20))
+        peer = Peer("peer", descriptor(1), lambda host, port: next(fetched))
+        copied: list[SegmentDescriptor] = []
+        try:
+            t.seqlocked(peer, peer.descriptor, lambda d: copied.append(d) or "used",
+                        lambda p, used: unchanged)
+        finally:
+            t.close()
+        return copied
+
+    assert len(run([1, 1], unchanged=False)) == 1       # the epoch stayed put: one copy
+    assert len(run([1, 2], unchanged=True)) == 1        # changed, but not what we used
+    again = run([1, 2, 2, 2], unchanged=False)          # changed under the copy: again,
+    assert len(again) == 2 and again[1].epoch == 10     # on the descriptor fetched anew
+    with pytest.raises(TransferError, match="kept changing"):
+        run([1, 2] * ShmTransport.ATTEMPTS, unchanged=False)

@@ -48,7 +48,6 @@ class CudaIpcTransport(Transport):
     priority = PRIORITY_CUDA_IPC
     memory_kinds = frozenset({CUDA, HOST})
     task_nbytes = 64 << 20  # one batch per stream synchronisation
-    ATTEMPTS = 4  # batches repeated because the target's regions changed under them
 
     def __init__(self) -> None:
         if not cuda.available():
@@ -117,22 +116,16 @@ class CudaIpcTransport(Transport):
         if desc.epoch_memfd < 0:
             raise TransferError(f"segment {desc.name!r} publishes no epoch page: cuda_ipc "
                                 f"cannot tell when its regions change")
-        for _ in range(self.ATTEMPTS):
-            before = self._host._epoch_now(desc)
-            if before != desc.epoch:
-                desc = peer.refresh()
+        def copy_once(desc: Any) -> set[tuple[int, int]]:
             self._drop_stale(peer, desc)
-            used = self._copy(peer, desc, slices)
-            if self._host._epoch_now(desc) == before:
-                return
+            return self._copy(peer, desc, slices)
+
+        def unchanged(peer: Peer, used: set[tuple[int, int]]) -> bool:
             fresh = peer.refresh()  # changed meanwhile: were ours the same registrations?
             self._drop_stale(peer, fresh)
-            live = {(r.address, r.generation) for r in fresh.regions}
-            if used <= live:
-                return
-            desc = fresh
-        raise TransferError(f"segment {desc.name!r} kept changing its regions during the copy "
-                            f"({self.ATTEMPTS} attempts)")
+            return used <= {(r.address, r.generation) for r in fresh.regions}
+
+        self._host.seqlocked(peer, desc, copy_once, unchanged)
 
     @staticmethod
     def _key(desc: Any) -> str:

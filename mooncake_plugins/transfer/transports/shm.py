@@ -27,7 +27,7 @@ import os
 import socket
 import struct
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ...errors import AddressError, MooncakeError, TransferError
 from .. import memory
@@ -383,12 +383,21 @@ class ShmTransport(Transport):
         if desc.epoch_memfd < 0:
             raise TransferError(f"segment {desc.name!r} publishes no epoch page: shm cannot "
                                 f"tell when its regions change")
+        self.seqlocked(peer, desc, lambda d: self._copy(d, slices), self._unchanged)
+
+    def seqlocked(self, peer: Peer, desc: Any, copy_once: Callable[[Any], Any],
+                  unchanged: Callable[[Peer, Any], bool]) -> None:
+        """Run ``copy_once(descriptor)`` under the peer's epoch (a seqlock): done when the
+        epoch stayed put around it, or when ``unchanged(peer, what it returned)`` finds the
+        regions it used still the same registrations; else repeated against a fresh
+        descriptor, at most ``ATTEMPTS`` times. The cuda_ipc transport runs its copies
+        under the same rule."""
         for _ in range(self.ATTEMPTS):
             before = self._epoch_now(desc)
             if before != desc.epoch:
                 desc = peer.refresh()
-            touched = self._copy(desc, slices)
-            if self._epoch_now(desc) == before or self._unchanged(peer, touched):
+            used = copy_once(desc)
+            if self._epoch_now(desc) == before or unchanged(peer, used):
                 return
         raise TransferError(f"segment {desc.name!r} kept changing its regions during the copy "
                             f"({self.ATTEMPTS} attempts)")
