@@ -13,6 +13,7 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
+import shlex
 import socket
 import sys
 from typing import Any
@@ -130,8 +131,27 @@ def main(argv: list[str] | None = None) -> int:
                      help="metadata URLs / master://host:port to probe (default: the local "
                           "defaults: %(default)s)")
     doc.add_argument("--timeout", type=float, default=0.5, help="seconds per probe")
+    nixl = sub.add_parser("nixl-plugin-dir",
+                          help="print a NIXL plugin directory holding our backend (MOONCAKE) "
+                               "and NIXL's bundled ones: export NIXL_PLUGIN_DIR=<it>")
+    nixl.add_argument("--export", action="store_true",
+                      help="print it as a shell line: export NIXL_PLUGIN_DIR=...")
     args = ap.parse_args(argv)
+    if args.command == "nixl-plugin-dir":
+        return nixl_plugin_dir(args.export)
     return doctor(args.urls, args.timeout)
+
+
+def nixl_plugin_dir(export: bool) -> int:
+    """Print the NIXL plugin directory of this environment (made on first use)."""
+    from mooncake_plugins.nixl.plugin_dir import NixlNotFound, plugin_dir
+    try:
+        path = plugin_dir()
+    except (NixlNotFound, FileNotFoundError) as exc:
+        print(f"mooncake-plugins: {exc}", file=sys.stderr)
+        return 1
+    print(f"export NIXL_PLUGIN_DIR={shlex.quote(str(path))}" if export else path)
+    return 0
 
 
 if __name__ == "__main__":

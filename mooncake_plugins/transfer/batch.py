@@ -7,11 +7,14 @@ A :class:`Batch` is completed by the engine's worker threads; callers poll
 from __future__ import annotations
 
 import enum
+import logging
 import threading
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ..errors import InvalidArgument, MooncakeError, TransferTimeout
 from .segment import MAX_ADDRESS
+
+log = logging.getLogger("mooncake_plugins.transfer")
 
 
 class OpCode(enum.IntEnum):
@@ -74,6 +77,7 @@ class Batch:
         self._left = [0] * len(requests)  # slices still running, per request
         self._errors: list[MooncakeError | None] = [None] * len(requests)
         self._open = 0
+        self._callbacks: list[Callable[[Batch], None]] = []
 
     # -- engine side ---------------------------------------------------------------
     def add_slices(self, index: int, count: int) -> None:
@@ -83,7 +87,7 @@ class Batch:
     def seal(self) -> None:
         """No more slices will be added; an empty batch completes at once."""
         if self._open == 0:
-            self._done_event.set()
+            self._finish()
 
     def slices_done(self, results: list[tuple[int, MooncakeError | None]]) -> None:
         """Record finished slices as ``(request index, error or None)`` pairs."""
@@ -93,8 +97,31 @@ class Batch:
                 if error is not None and self._errors[index] is None:
                     self._errors[index] = error
             self._open -= len(results)
-            if self._open == 0:
-                self._done_event.set()
+            if self._open:
+                return
+        self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._done_event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._call(fn)
+
+    def _call(self, fn: Callable[[Batch], None]) -> None:
+        try:
+            fn(self)
+        except Exception:  # a caller's callback: it must not take the worker down
+            log.exception("callback of batch %d failed", self.id)
+
+    def on_done(self, fn: Callable[[Batch], None]) -> None:
+        """Call ``fn(batch)`` once every slice has ended: now, in this thread, if they have;
+        else in the thread that ends the last one (an engine worker: keep it short)."""
+        with self._lock:
+            if not self._done_event.is_set():
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
 
     # -- caller side ---------------------------------------------------------------
     def done(self) -> bool:

@@ -306,3 +306,33 @@ def test_a_request_partly_out_of_bounds_moves_no_byte(pair):
     with pytest.raises(AddressError):
         a.read(b.segment_name, src.address, dst.address + 1, 200 << 10)
     assert bytes(src.view()) == random.Random(3).randbytes(200 << 10)
+
+
+def test_batch_on_done_runs_once_after_the_last_slice():
+    """A callback sees the finished batch: at once when it has ended, else from the
+    thread that ends the last slice (the NIXL backend sends notifications this way)."""
+    import threading
+
+    from mooncake_plugins.errors import TransferError
+    from mooncake_plugins.transfer.batch import Batch
+
+    reqs = [TransferRequest(OpCode.WRITE, 0, 0, 8)] * 2
+    batch = Batch(1, "peer", reqs)
+    batch.add_slices(0, 2)
+    batch.add_slices(1, 1)
+    batch.seal()
+    seen: list[tuple[str, bool, object]] = []
+    batch.on_done(lambda b: seen.append((threading.current_thread().name, b.done(), b.error())))
+    batch.slices_done([(0, None), (1, None)])
+    assert seen == []  # one slice still running
+    worker = threading.Thread(target=batch.slices_done, args=([(0, TransferError("lost"))],),
+                              name="finisher")
+    worker.start()
+    worker.join()
+    assert [(name, done, str(err)) for name, done, err in seen] == [("finisher", True, "lost")]
+    batch.on_done(lambda b: seen.append(("late", b.done(), None)))  # already done: now
+    assert seen[-1] == ("late", True, None) and len(seen) == 2
+    empty = Batch(2, "peer", [])
+    empty.seal()
+    empty.on_done(lambda b: seen.append(("empty", b.done(), None)))
+    assert seen[-1] == ("empty", True, None)

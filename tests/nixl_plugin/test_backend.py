@@ -1,0 +1,163 @@
+"""The Python side of our NIXL backend, driven as the C++ plugin drives it (no NIXL
+needed): two backends in this process, the plugin's entry points through ctypes, and the
+plugin directory over a stand-in NIXL wheel layout. NIXL itself drives them in
+tests/integrations/nixl_backend (its own venv)."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from mooncake_plugins.nixl import backend as nb
+from mooncake_plugins.nixl import plugin_dir as pd
+
+KIB = 1 << 10
+
+
+@pytest.fixture
+def pair():
+    a = nb.NixlBackend("a", {"ip_addr": "127.0.0.1"})
+    b = nb.NixlBackend("b", {"ip_addr": "127.0.0.1", "transports": "tcp"})
+    assert a.load_remote_conn_info("b", b.conn_info()) == nb.SUCCESS
+    assert b.load_remote_conn_info("a", a.conn_info()) == nb.SUCCESS
+    yield a, b
+    a.close()
+    b.close()
+
+
+def descs(*triples: tuple[int, int, int]) -> bytes:
+    return b"".join(struct.pack("=QQQ", *t) for t in triples)
+
+
+def finish(backend: nb.NixlBackend, xfer: nb.Transfer, status: int) -> int:
+    deadline = time.monotonic() + 30
+    while status == nb.IN_PROG and time.monotonic() < deadline:
+        time.sleep(0.001)
+        status = backend.check(xfer)
+    return status
+
+
+def test_write_read_and_notifications(pair):
+    a, b = pair
+    src = bytearray(range(256)) * 64  # 16 KiB
+    dst = bytearray(len(src))
+    ca, cb = (ctypes.c_char * len(src)).from_buffer(src), (ctypes.c_char * len(dst)).from_buffer(dst)
+    sa, sb = ctypes.addressof(ca), ctypes.addressof(cb)
+    ta = a.register(sa, len(src), 0, nb.DRAM_SEG)
+    tb = b.register(sb, len(dst), 0, nb.DRAM_SEG)
+    assert ta > 0 and tb > 0
+    # four 4 KiB blocks, written in reverse order, then a notification after them
+    xfer = a.prepare(nb.NIXL_WRITE, "b", descs(*[(sa + i * 4 * KIB, sb + (3 - i) * 4 * KIB, 4 * KIB)
+                                                 for i in range(4)]))
+    assert isinstance(xfer, nb.Transfer)
+    assert finish(a, xfer, a.post(xfer, b"\x00done\xff")) == nb.SUCCESS
+    for i in range(4):
+        assert dst[(3 - i) * 4 * KIB:(4 - i) * 4 * KIB] == src[i * 4 * KIB:(i + 1) * 4 * KIB]
+    assert b.notifs() == [(b"a", b"\x00done\xff")]
+    # reposting the same prepared request, now without a notification
+    dst[:] = bytes(len(dst))
+    assert finish(a, xfer, a.post(xfer, None)) == nb.SUCCESS
+    assert dst[12 * KIB:] == src[:4 * KIB] and b.notifs() == []
+    assert a.release(xfer) == nb.SUCCESS
+    # a READ by the other side, and a notification on its own
+    src[:] = bytes(len(src))
+    back = b.prepare(nb.NIXL_READ, "a", descs((sb, sa, len(dst))))
+    assert finish(b, back, b.post(back, None)) == nb.SUCCESS and dst == src
+    assert b.gen_notif("a", b"hi") == nb.SUCCESS and a.notifs() == [(b"b", b"hi")]
+    assert a.deregister(ta) == nb.SUCCESS and b.deregister(tb) == nb.SUCCESS
+    del ca, cb
+
+
+def test_refusals(pair):
+    a, b = pair
+    buf = bytearray(8 * KIB)
+    cbuf = (ctypes.c_char * len(buf)).from_buffer(buf)
+    addr = ctypes.addressof(cbuf)
+    token = a.register(addr, len(buf), 0, nb.DRAM_SEG)
+    # the same range again is one registration, counted; another memory type is refused
+    assert a.register(addr, len(buf), 0, nb.DRAM_SEG) == token
+    assert a.register(addr, len(buf), 0, 4) == nb.ERR_NOT_SUPPORTED  # FILE_SEG
+    assert a.deregister(token) == nb.SUCCESS and a.engine.is_registered(addr, len(buf))
+    assert a.deregister(token) == nb.SUCCESS and not a.engine.is_registered(addr, len(buf))
+    assert a.deregister(token) == nb.ERR_NOT_FOUND
+    # connection info that is not an engine's segment name
+    for bad in (b"", b"\xff\xfe", b"no-port", b"host:0", b"host:70000", b"h:" + b"1" * 600):
+        assert a.load_remote_conn_info("x", bad) == nb.ERR_INVALID_PARAM
+    assert a.knows("x") == nb.ERR_NOT_FOUND and a.knows("b") == nb.SUCCESS
+    assert a.knows("a") == nb.SUCCESS  # local transfers
+    # unknown agents, bad ops, oversized notifications
+    assert a.prepare(nb.NIXL_READ, "nobody", descs((addr, 0, 8))) == nb.ERR_NOT_FOUND
+    assert a.prepare(7, "b", descs((addr, 0, 8))) == nb.ERR_INVALID_PARAM
+    assert a.gen_notif("nobody", b"x") == nb.ERR_NOT_FOUND
+    assert a.gen_notif("b", b"x" * (nb.MAX_NOTIF_NBYTES + 1)) == nb.ERR_INVALID_PARAM
+    # local memory that is not registered: refused at post
+    a.register(addr, len(buf), 0, nb.DRAM_SEG)
+    theirs = bytearray(4 * KIB)
+    ctheirs = (ctypes.c_char * len(theirs)).from_buffer(theirs)
+    b.register(ctypes.addressof(ctheirs), len(theirs), 0, nb.DRAM_SEG)
+    xfer = a.prepare(nb.NIXL_READ, "b", descs((addr + 8 * KIB, ctypes.addressof(ctheirs), 16)))
+    assert a.post(xfer, None) == nb.ERR_INVALID_PARAM
+    # a remote range outside what the peer registered: the peer's own check refuses it
+    xfer = a.prepare(nb.NIXL_READ, "b", descs((addr, ctypes.addressof(ctheirs) + 2 * KIB, 4 * KIB)))
+    assert finish(a, xfer, a.post(xfer, b"never")) == nb.ERR_INVALID_PARAM
+    assert b.notifs() == []  # a failed transfer sends no notification
+    # a peer that went away
+    assert b.disconnect("a") == nb.SUCCESS and b.knows("a") == nb.ERR_NOT_FOUND
+    b.close()
+    xfer = a.prepare(nb.NIXL_WRITE, "b", descs((addr, ctypes.addressof(ctheirs), 16)))
+    assert finish(a, xfer, a.post(xfer, None)) == nb.ERR_REMOTE_DISCONNECT
+    del cbuf, ctheirs
+
+
+def test_plugin_entry_points():
+    """The built plugin exports NIXL's entry points; its table names our backend."""
+    if not pd.PLUGIN_FILE.exists():
+        pytest.skip("the NIXL plugin was not built (no C++20 compiler at install)")
+    lib = ctypes.CDLL(str(pd.PLUGIN_FILE))
+    lib.nixl_plugin_init.restype = ctypes.c_void_p
+    table = lib.nixl_plugin_init()
+    api_version = ctypes.c_int.from_address(table).value
+    name_fn = ctypes.CFUNCTYPE(ctypes.c_char_p)(ctypes.c_void_p.from_address(table + 24).value)
+    version_fn = ctypes.CFUNCTYPE(ctypes.c_char_p)(ctypes.c_void_p.from_address(table + 32).value)
+    assert (api_version, name_fn(), version_fn()) == (1, b"MOONCAKE", b"0.1.0")
+
+
+def test_plugin_dir_mirrors_the_wheel_layout(tmp_path, monkeypatch):
+    """Over a stand-in NIXL wheel (a package name no real NIXL uses): every bundled plugin is linked, ours under both names,
+    and the library directories the bundled plugins' RPATH names resolve from there."""
+    if not pd.PLUGIN_FILE.exists():
+        pytest.skip("the NIXL plugin was not built (no C++20 compiler at install)")
+    site = tmp_path / "site"
+    (site / "nixl_cu99").mkdir(parents=True)
+    (site / "nixl_cu99" / "__init__.py").write_text("")
+    (site / "nixl_cu99.libs").mkdir()
+    (site / "nixl_cu99.libs" / "libucp-x.so.0").write_text("")
+    libs = site / ".nixl_cu99.mesonpy.libs"
+    (libs / "plugins").mkdir(parents=True)
+    (libs / "libnixl_common.so").write_text("")
+    (libs / "plugins" / "libplugin_UCX.so").write_text("ucx")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(pd, "nixl_package", lambda: "nixl_cu99")
+    made = pd.plugin_dir(cache=tmp_path / "cache")
+    assert made.name == "plugins" and made.parent.name == ".nixl_cu99.mesonpy.libs"
+    assert (made / "libplugin_UCX.so").read_text() == "ucx"
+    assert (made / "libplugin_MOONCAKE.so").resolve() == pd.PLUGIN_FILE.resolve()
+    assert (made / "libplugin_Mooncake.so").resolve() == pd.PLUGIN_FILE.resolve()
+    assert (made / ".." / "libnixl_common.so").exists()  # $ORIGIN/..
+    assert (made / ".." / ".." / "nixl_cu99.libs" / "libucp-x.so.0").exists()
+    assert pd.plugin_dir(cache=tmp_path / "cache") == made  # made once, then reused
+    # a NIXL build with its own Mooncake plugin keeps that name; a changed wheel is remade
+    (libs / "plugins" / "libplugin_Mooncake.so").write_text("theirs")
+    again = pd.plugin_dir(cache=tmp_path / "cache")
+    assert (again / "libplugin_Mooncake.so").read_text() == "theirs"
+    assert (again / "libplugin_MOONCAKE.so").resolve() == pd.PLUGIN_FILE.resolve()
+
+
+def test_no_nixl_is_one_clear_sentence(monkeypatch):
+    monkeypatch.setattr(pd.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(pd.NixlNotFound, match="NIXL is not installed here"):
+        pd.plugin_dir()
