@@ -6,6 +6,7 @@ Two processes on this host, DRAM, through NIXL's Python API exactly as its users
   memcpy              numpy copyto of 64 MiB in one thread (the ceiling of a same-host copy)
   <backend> W/R 64x4M  64 descriptors of 4 MiB per request, WRITE then READ
   <backend> W/R 1024x4K  1024 descriptors of 4 KiB per request
+(remote blocks in a scattered order, so NIXL cannot merge descriptors into one)
   <backend> first      a fresh agent's first 4 KiB READ (add_remote_agent included)
 Our backend uses the engine's default transports (shm between processes of one host).
 Run it with a Python that has NIXL (.ci/run makes .venv-nixl: numpy, nixl and nixl-cu12
@@ -60,8 +61,11 @@ def measure(agent, peer_name: str, local_addr: int, remote_addr: int, op: str, c
                                  "DRAM")
     theirs = agent.prep_xfer_dlist(peer_name, [(remote_addr + i * size, size, 0)
                                                for i in range(count)], "DRAM")
+    # remote blocks in a scattered order, as a KV cache's blocks are: NIXL merges runs of
+    # descriptors contiguous on both sides into one, which would hide the per-descriptor cost
     ids = list(range(count))
-    handle = agent.make_prepped_xfer(op, mine, ids, theirs, ids)
+    scattered = [(i * 7) % count for i in ids] if count % 7 else ids[::-1]
+    handle = agent.make_prepped_xfer(op, mine, ids, theirs, scattered)
     agent.transfer(handle)  # warm-up
     wait(agent, handle)
     n, t0 = 0, time.perf_counter()

@@ -49,6 +49,10 @@ NIXL_READ = 0
 NIXL_WRITE = 1
 
 MAX_CONN_INFO = 512
+CHECK_WAIT_S = 0.0001
+"""How long ``check`` waits for a running transfer, without the GIL, before answering
+IN_PROG: NIXL's users poll in a tight loop that holds the GIL (NIXL's Python binding keeps
+it), which would otherwise starve the engine threads doing the transfer."""
 MAX_NOTIF_NBYTES = 65536
 
 
@@ -298,6 +302,8 @@ class NixlBackend:
     def check(self, xfer: Transfer) -> int:
         if xfer.batch is None:
             return xfer.error if xfer.error != SUCCESS else ERR_INVALID_PARAM
+        if not xfer.batch.done():
+            xfer.batch.wait_done(CHECK_WAIT_S)
         return self._progress(xfer)
 
     def _progress(self, xfer: Transfer) -> int:

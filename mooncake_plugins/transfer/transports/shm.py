@@ -73,6 +73,10 @@ class _PyShm:
                 raise OSError(f"process_vm transfer made no progress (pid {pid})")
             done += rc
 
+    def vm_copy_many(self, pid: int, copies: list[tuple[int, int, int]], write: bool) -> None:
+        for local, remote, nbytes in copies:
+            self.vm_copy(pid, local, remote, nbytes, write)
+
     @staticmethod
     def memfd_create(name: str) -> int:
         return os.memfd_create(name, os.MFD_CLOEXEC)
@@ -94,7 +98,8 @@ def use(native: bool) -> None:
         from ..._native import shm as src
     else:
         src = _PyShm()
-    impl.vm_copy, impl.memfd_create = src.vm_copy, src.memfd_create
+    impl.vm_copy, impl.vm_copy_many = src.vm_copy, src.vm_copy_many
+    impl.memfd_create = src.memfd_create
     IMPLEMENTATION = "native" if native else "python"
 
 
@@ -405,13 +410,14 @@ class ShmTransport(Transport):
     def _copy(self, desc: Any, slices: list[tuple[int, int, int, int, int]]) -> list[_Mapping]:
         """Copy the slices once; returns the memfd mappings used (to re-check afterwards)."""
         copies: list[tuple[int, int, int]] = []
+        vm: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] = ([], [])  # read, write
         maps: dict[int, _Mapping] = {}  # memfd -> its mapping here
         try:
             for _, op, local, remote, n in slices:
                 write = op == OP_WRITE
                 region = desc.find(remote, n, write)
-                if region.memfd < 0:
-                    impl.vm_copy(desc.pid, local, remote, n, write)
+                if region.memfd < 0:  # process_vm: batched, up to 1024 per system call
+                    vm[write].append((local, remote, n))
                     continue
                 m = maps.get(region.memfd)
                 if m is None:
@@ -420,6 +426,8 @@ class ShmTransport(Transport):
                 m.populate(remote - region.address, n, write)
                 copies.append((peer_address, local, n) if write else (local, peer_address, n))
             memory.copy_many(copies)
+            for write, batch in enumerate(vm):
+                impl.vm_copy_many(desc.pid, batch, bool(write))
         finally:
             self._release_maps(list(maps.values()))
         return list(maps.values())
