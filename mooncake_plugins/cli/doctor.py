@@ -57,18 +57,34 @@ def resolution() -> dict[str, Any]:
 
 
 def transports() -> list[tuple[str, str]]:
-    """(name, state) of each transport of our engine on this host."""
-    from mooncake_plugins.transfer import implementation
+    """(name, state) of each transport in the engine's registry on this host, then the
+    NIXL backend plugin."""
+    from mooncake_plugins.transfer import cuda, implementation
     from mooncake_plugins.transfer.transports import transport_names
     path = implementation.current()
     rows = []
     for name in transport_names():
-        rows.append((name, f"available ({path} data path)"))
-    for name, why in (("rdma", "not built (no ibverbs transport yet)"),
-                      ("cuda_ipc", "not built"), ("nvmeof/file", "not built")):
-        if name not in transport_names():
-            rows.append((name, why))
+        if name == "cuda_ipc" and not cuda.available():
+            rows.append((name, f"unavailable: {cuda.why_unavailable()}"))
+        else:
+            rows.append((name, f"available ({path} data path)"))
+    if "rdma" not in transport_names():
+        rows.append(("rdma", "not built (no ibverbs transport yet)"))
+    rows.append(("NIXL backend", nixl_state()))
     return rows
+
+
+def nixl_state() -> str:
+    """Whether NIXL can use our backend here, in one line."""
+    from mooncake_plugins.nixl.plugin_dir import PLUGIN_FILE, NixlNotFound, nixl_package
+    if not PLUGIN_FILE.exists():
+        return "plugin not built (reinstall with a C++20 compiler)"
+    try:
+        package = nixl_package()
+    except NixlNotFound:
+        return f"plugin built ({PLUGIN_FILE.name}); NIXL not installed here"
+    return (f"plugin built; {package} installed: "
+            f"eval \"$(mooncake-plugins nixl-plugin-dir --export)\", backends=[\"MOONCAKE\"]")
 
 
 def _reachable(host: str, port: int, timeout_s: float) -> str:
@@ -114,7 +130,7 @@ def doctor(urls: list[str], timeout_s: float) -> int:
               f"pip uninstall {names} (ours), or a separate venv for the original.")
     print("transports")
     for name, state in transports():
-        print(f"  {name:12} {state}")
+        print(f"  {name:13} {state}")
     print("metadata backends and master")
     for url in urls:
         name, state = probe(url, timeout_s)

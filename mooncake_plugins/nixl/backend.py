@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from array import array
 from typing import Any, Callable
@@ -50,9 +51,12 @@ NIXL_WRITE = 1
 
 MAX_CONN_INFO = 512
 CHECK_WAIT_S = 0.0001
-"""How long ``check`` waits for a running transfer, without the GIL, before answering
-IN_PROG: NIXL's users poll in a tight loop that holds the GIL (NIXL's Python binding keeps
-it), which would otherwise starve the engine threads doing the transfer."""
+BUSY_POLL_S = 0.001
+"""A transfer checked again within BUSY_POLL_S of its last check is being polled in a
+tight loop: ``check`` then waits up to CHECK_WAIT_S for it, without the GIL, before
+answering IN_PROG. Such a loop holds the GIL (NIXL's Python binding keeps it) and would
+otherwise starve the engine threads doing the transfer; a poller that checks once per
+step (vLLM's) gets its answer at once."""
 MAX_NOTIF_NBYTES = 65536
 
 
@@ -120,7 +124,8 @@ class Transfer:
     batch (so it needs no polling), and the post completes once it has been sent.
     """
 
-    __slots__ = ("op", "agent", "requests", "batch", "notifying", "error", "released")
+    __slots__ = ("op", "agent", "requests", "batch", "notifying", "error", "released",
+                 "checked")
 
     def __init__(self, op: OpCode, agent: str, requests: list[TransferRequest]) -> None:
         self.op = op
@@ -130,6 +135,7 @@ class Transfer:
         self.notifying = False  # a notification of the current post is yet to be sent
         self.error = SUCCESS  # of the current post, besides its batch's errors
         self.released = False
+        self.checked = 0.0  # time.monotonic() of the last check
 
 
 class NixlBackend:
@@ -302,8 +308,10 @@ class NixlBackend:
     def check(self, xfer: Transfer) -> int:
         if xfer.batch is None:
             return xfer.error if xfer.error != SUCCESS else ERR_INVALID_PARAM
-        if not xfer.batch.done():
+        now = time.monotonic()
+        if now - xfer.checked < BUSY_POLL_S and not xfer.batch.done():
             xfer.batch.wait_done(CHECK_WAIT_S)
+        xfer.checked = now
         return self._progress(xfer)
 
     def _progress(self, xfer: Transfer) -> int:

@@ -27,6 +27,24 @@ def test_reports_our_implementation_and_probes(capsys: pytest.CaptureFixture[str
     assert "built in" in lines["P2PHANDSHAKE"]
     assert "not a metadata URL" in lines["ftp://x"]
     assert "available" in lines["tcp"] and "available" in lines["shm"]
+    # cuda_ipc says why in one line where CUDA does not work; the install built the plugin
+    from mooncake_plugins.transfer import cuda
+    if cuda.available():
+        assert lines["cuda_ipc"].split(None, 1)[1].startswith("available")
+    else:
+        assert "unavailable: " + cuda.why_unavailable() in lines["cuda_ipc"]
+    nixl = next(line for line in out.splitlines() if line.startswith("  NIXL backend"))
+    assert "plugin built" in nixl
+
+
+def test_nixl_plugin_dir_without_nixl_is_one_sentence(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl_cu13"):
+        pytest.skip("NIXL is installed here (tests/integrations/nixl_backend covers it)")
+    assert doctor.main(["nixl-plugin-dir"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mooncake-plugins: NIXL is not installed here") and "\n" not in err
 
 
 def test_warns_when_the_original_wheel_is_installed_too(monkeypatch: pytest.MonkeyPatch,

@@ -161,3 +161,27 @@ def test_no_nixl_is_one_clear_sentence(monkeypatch):
     monkeypatch.setattr(pd.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(pd.NixlNotFound, match="NIXL is not installed here"):
         pd.plugin_dir()
+
+
+def test_check_waits_only_for_a_busy_poller(pair):
+    """A transfer checked again right after its last check is being busy-polled (with the
+    GIL held): only then does check wait for it, briefly, so the engine threads can run.
+    A once-per-step poller gets IN_PROG at once."""
+    a, _ = pair
+
+    class Running:  # a batch that never finishes, recording the waits asked of it
+        waits: list[float] = []
+
+        def done(self) -> bool:
+            return False
+
+        def wait_done(self, timeout_s: float) -> bool:
+            self.waits.append(timeout_s)
+            return False
+
+    xfer = nb.Transfer(nb.OpCode.READ, "b", [])
+    xfer.batch = Running()
+    assert a.check(xfer) == nb.IN_PROG and Running.waits == []  # first check: no wait
+    assert a.check(xfer) == nb.IN_PROG and Running.waits == [nb.CHECK_WAIT_S]  # busy poll
+    xfer.checked -= 2 * nb.BUSY_POLL_S  # as if the last check were a step ago
+    assert a.check(xfer) == nb.IN_PROG and Running.waits == [nb.CHECK_WAIT_S]

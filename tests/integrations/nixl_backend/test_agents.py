@@ -71,14 +71,16 @@ def test_plugin_is_listed_beside_the_bundled_ones(spawn_peer):
     assert ucx.call("digest", 0, 16) == digest(pattern(4096, 1)[:16])
 
 
-@pytest.mark.parametrize("count,size", [(1024, 4 * KIB), (1, 64 * MIB)], ids=["1024x4KiB", "64MiB"])
+@pytest.mark.parametrize("count,size", [(4096, KIB), (1, 64 * MIB)], ids=["4096x1KiB", "64MiB"])
 def test_write_then_read_many_descriptors(spawn_peer, initiator, transports, count, size):
     nbytes = count * size
     peer = spawn_peer("target", nbytes, params={"transports": transports} if transports else {})
     connect(initiator, peer)
     local = pattern(nbytes, 7)
     initiator.register_memory([(local.ctypes.data, nbytes, 0, "")], "DRAM")
-    order = [(i * 7) % count if count > 1 else 0 for i in range(count)]  # remote block of each
+    # each descriptor's remote block, scattered (NIXL would merge runs contiguous on both
+    # sides); 4096 descriptors in one request: NIXL's own Mooncake plugin stops at 1024
+    order = [(i * 7) % count if count > 1 else 0 for i in range(count)]
     local_descs = initiator.get_xfer_descs(
         [(local.ctypes.data + i * size, size, 0) for i in range(count)], "DRAM")
     remote_descs = initiator.get_xfer_descs(
