@@ -40,10 +40,11 @@ from .peer import Peer
 from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor, check_range
 from .topology import host_id
 from .transports import registry
-from .transports.base import HOST, HOST_KINDS, OP_READ, OP_WRITE, Transport, kind_of_location
+from .transports.base import CUDA, HOST, HOST_KINDS, OP_READ, OP_WRITE, Transport, kind_of_location
 # target side, served whatever transports this engine initiates with (not path choice):
 from .transports.shm import EPOCH, publish_local  # epoch page; same-process peers' table
 from .transports.shm import impl as _shm_impl  # memfd_create of shm-mappable buffers
+from .transports.staging import Staged  # local GPU memory over host-only transports
 from .transports.tcp import TcpServer  # the rpc port: tcp data and control messages
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,9 @@ class TransferEngine:
                 (log.debug if implicit and name in registry.OPT_IN else log.warning)(
                     "transport %s disabled: %s", name, exc)
         self._transports = registry.rank(self._transports)  # best first: see _paths
+        # local GPU memory over the host-only ones, through pinned memory: offered only
+        # where a CUDA driver is loaded (see _reaching), after every direct path
+        self._staged = [Staged(t) for t in self._transports if CUDA not in t.memory_kinds]
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="mc-worker")
         publish_local(self.rpc_port, self._regions)
         self._publish()
@@ -254,6 +258,8 @@ class TransferEngine:
             self._server.close()
         if hasattr(self, "_pool"):
             self._pool.shutdown(wait=True)
+        for t in getattr(self, "_staged", ()):
+            t.close()  # their pinned buffers (the transports they wrap are closed next)
         for t in {id(t): t for t in [*self._transports, getattr(self, "_control", None)] if t}.values():
             t.close()  # the control client is closed even when it moves no data
 
@@ -640,7 +646,9 @@ class TransferEngine:
     def _reaching(self, peer: Peer, transport: str | None) -> list[Transport]:
         """The configured transports that reach ``peer``, best first (they are kept ranked
         by priority), restricted to the one named ``transport`` if given."""
-        paths = [t for t in self._transports if (transport in (None, "", t.name)) and t.supports(peer)]
+        offered = self._transports + self._staged if self._staged and cuda.driver_in_process() \
+            else self._transports
+        paths = [t for t in offered if (transport in (None, "", t.name)) and t.supports(peer)]
         if not paths:
             raise TransportUnavailable(f"no transport reaches segment {peer.name!r}"
                                        + (f" with hint {transport!r}" if transport else ""))

@@ -1,11 +1,8 @@
 """GPU registration and the cuda_ipc transport, over a driver TEST DOUBLE (no GPU here).
 
-``CudaDriverDouble`` stands in for ``_native.cuda`` (installed as ``cuda._native`` with the
-module marked ready): its "device memory" is memfd-backed HOST memory, its IPC handles
-name that memfd, ``ipc_open`` maps the same memfd again (a true alias, so copies through
-a mapping land in the exporter's memory and can be checked), and ``memcpy_async`` is a
-memmove. It proves the engine's and the transport's bookkeeping (locations, wire form,
-path choice, handles opened once, closed on forget and re-registration), not CUDA:
+``CudaDriverDouble`` (tests/transfer/cuda_double.py) stands in for ``_native.cuda``: it
+proves the engine's and the transport's bookkeeping (locations, wire form, path choice,
+handles opened once, closed on forget and re-registration), not CUDA:
 tests/gpu/test_cuda_ipc.py runs the same paths on a real GPU.
 
 Engines of this process reach each other in-process; ``_pretend_other_process`` makes
@@ -14,12 +11,7 @@ the initiator's cuda_ipc take the cross-process path (handles, epoch page) inste
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
-import os
-import struct
-import threading
 
 import msgpack
 import pytest
@@ -32,134 +24,7 @@ from mooncake_plugins.transfer.batch import OpCode, TransferRequest
 from mooncake_plugins.transfer.segment import Region, RegionInfo, RegionTable, SegmentDescriptor
 from mooncake_plugins.transfer.transports import registry
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_SHARED, _MAP_FIXED = 0x01, 0x10
-_PROT = mmap.PROT_READ | mmap.PROT_WRITE
-_HANDLE = struct.Struct("<4sIiQ")  # magic, pid, memfd, serial (padded to 64 bytes)
-
-
-class CudaDriverDouble:
-    """TEST DOUBLE of ``_native.cuda``: host memory plays device memory (see the module
-    docstring). Records opens, closes, copies and synchronisations."""
-
-    def __init__(self, devices: int = 2) -> None:
-        self.bus_ids = [f"0000:{0x18 + d:02x}:00.0" for d in range(devices)]
-        self.allocs: dict[int, tuple[int, int, int, int]] = {}  # base -> nbytes, device, fd, serial
-        self.opens: list[tuple[bytes, int]] = []
-        self.closes: list[int] = []
-        self.copies = 0
-        self.syncs = 0
-        self._maps: dict[int, int] = {}  # address opened by ipc_open -> nbytes
-        self._serial = 0
-        self._streams = 0
-        self._lock = threading.Lock()
-
-    # memory the double hands out ("device memory")
-    def alloc(self, nbytes: int, device: int = 0, at: int | None = None) -> int:
-        fd = os.memfd_create("cuda-double", os.MFD_CLOEXEC)
-        os.ftruncate(fd, nbytes)
-        addr = _libc.mmap(at, nbytes, _PROT, _MAP_SHARED | (_MAP_FIXED if at else 0), fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value)
-        self._serial += 1
-        self.allocs[addr] = (nbytes, device, fd, self._serial)
-        return addr
-
-    def free(self, base: int, keep_range: bool = False) -> None:
-        nbytes, _, fd, _ = self.allocs.pop(base)
-        if not keep_range:
-            _libc.munmap(base, nbytes)
-        os.close(fd)
-
-    def close_all(self) -> None:
-        for base in list(self.allocs):
-            self.free(base)
-        for addr, n in list(self._maps.items()):
-            _libc.munmap(addr, n)
-        self._maps.clear()
-
-    def view(self, address: int, nbytes: int) -> bytes:
-        return ctypes.string_at(address, nbytes)
-
-    def _find(self, address: int) -> tuple[int, tuple[int, int, int, int]] | None:
-        for base, rec in self.allocs.items():
-            if base <= address < base + rec[0]:
-                return base, rec
-        return None
-
-    # the native module's interface
-    def device_count(self) -> int:
-        return len(self.bus_ids)
-
-    def device_pci_bus_id(self, device: int) -> str:
-        return self.bus_ids[device]
-
-    def pointer_attributes(self, address: int) -> tuple:
-        found = self._find(address)
-        if found is None:
-            return (0, 0, False, 0, 0, False)
-        base, (nbytes, device, _, _) = found
-        return (2, device, False, base, nbytes, True)
-
-    def address_range(self, address: int, device: int) -> tuple[int, int]:
-        found = self._find(address)
-        assert found is not None
-        return found[0], found[1][0]
-
-    def ipc_get_handle(self, base: int, device: int) -> bytes:
-        _, _, fd, serial = self.allocs[base]
-        return _HANDLE.pack(b"DBL!", os.getpid(), fd, serial).ljust(cuda.IPC_HANDLE_NBYTES, b"\0")
-
-    def ipc_open(self, handle: bytes, device: int) -> int:
-        magic, pid, fd, _ = _HANDLE.unpack_from(handle)
-        assert magic == b"DBL!"
-        ofd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
-        try:
-            nbytes = os.fstat(ofd).st_size
-            addr = _libc.mmap(None, nbytes, _PROT, _MAP_SHARED, ofd, 0)
-        finally:
-            os.close(ofd)
-        with self._lock:
-            self.opens.append((handle, device))
-            self._maps[addr] = nbytes
-        return addr
-
-    def ipc_close(self, address: int, device: int) -> None:
-        with self._lock:
-            self.closes.append(address)
-            _libc.munmap(address, self._maps.pop(address))
-
-    def stream_create(self, device: int) -> int:
-        with self._lock:
-            self._streams += 1
-            return self._streams
-
-    def stream_destroy(self, stream: int, device: int) -> None:
-        pass
-
-    def stream_synchronize(self, stream: int, device: int) -> None:
-        with self._lock:
-            self.syncs += 1
-
-    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int, device: int) -> None:
-        with self._lock:
-            self.copies += 1
-        ctypes.memmove(dst, src, nbytes)
-
-
-@pytest.fixture
-def double(monkeypatch: pytest.MonkeyPatch):
-    """The double installed as the process's CUDA driver (restored afterwards)."""
-    drv = CudaDriverDouble()
-    monkeypatch.setattr(cuda, "_native", drv)
-    monkeypatch.setattr(cuda, "_state", "ready")
-    monkeypatch.setattr(cuda, "_info", cuda.DriverInfo("double", 12080, drv.device_count()))
-    monkeypatch.setattr(cuda, "_driver_seen", True)
-    yield drv
-    drv.close_all()
+from cuda_double import CudaDriverDouble, double  # noqa: F401  (the fixture)
 
 
 N = 64 << 10
@@ -332,8 +197,13 @@ def test_gpu_requests_go_to_cuda_ipc_and_host_stays_with_shm(double) -> None:
     try:
         assert [t.name for t in a._transports] == ["cuda_ipc", "shm", "tcp"]
         peer = a.open_segment(b.segment_name)
-        for kinds in (("host", "cuda"), ("cuda", "cuda"), ("cuda", "host")):
+        for kinds in (("host", "cuda"), ("cuda", "cuda")):
             assert [t.name for t in a._paths(peer, None, kinds)] == ["cuda_ipc"]
+        # local GPU memory to host memory: cuda_ipc, then shm and tcp staged through
+        # pinned memory (transports/staging.py)
+        paths = a._paths(peer, None, ("cuda", "host"))
+        assert [(t.name, type(t).__name__) for t in paths] == [
+            ("cuda_ipc", "CudaIpcTransport"), ("shm", "Staged"), ("tcp", "Staged")]
         assert [t.name for t in a._paths(peer, None, ("host", "host"))] == ["shm", "tcp"]
     finally:
         a.close()

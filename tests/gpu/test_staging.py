@@ -1,0 +1,89 @@
+"""Local GPU memory over tcp and shm, staged through pinned memory, on a real GPU
+(marker ``cuda``).
+
+A target process lends 64 MiB of host memory; this process writes it from device memory
+in 4 MiB requests over each host-only transport alone (so the staged path is the only
+one), the target hashes what landed, and the bytes are read back into device memory and
+compared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mooncake_plugins.config import EngineConfig
+from mooncake_plugins.transfer import TransferEngine, cuda, memory
+from mooncake_plugins.transfer.batch import OpCode, TransferRequest
+
+pytestmark = pytest.mark.cuda
+
+REPO = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
+TOTAL = 64 * MIB
+REQUEST = 4 * MIB
+
+_TARGET = textwrap.dedent("""
+    import hashlib, sys
+    from mooncake_plugins.config import EngineConfig
+    from mooncake_plugins.transfer import TransferEngine
+    eng = TransferEngine(config=EngineConfig(transports=%r))
+    host = bytearray(%d)
+    region = eng.register(host)
+    print(eng.segment_name, region.address, flush=True)
+    for line in sys.stdin:
+        if line.strip() != "hash":
+            break
+        print(hashlib.sha256(host).hexdigest(), flush=True)
+    eng.close()
+    print("bye", flush=True)
+""")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_device_memory_to_a_peers_host_memory_and_back(transport: str) -> None:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-c", _TARGET % ([transport], TOTAL)], cwd=REPO,
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        first = proc.stdout.readline().split()
+        assert len(first) == 2, f"target failed to start (exit {proc.poll()})"
+        segment, remote = first[0], int(first[1])
+        src = bytes((i * 131 + 7) % 251 for i in range(4096)) * (TOTAL // 4096)
+        with TransferEngine(config=EngineConfig(transports=[transport])) as eng, \
+                cuda.DeviceBuffer(TOTAL) as dev:
+            staging = bytearray(src)  # kept alive across the copy
+            cuda.copy(dev.address, memory.address_of(staging)[0], TOTAL)
+            eng.register_address(dev.address, TOTAL)
+            peer = eng.open_segment(segment)
+            assert [type(t).__name__ for t in eng._paths(peer, None, ("cuda", "host"))] == ["Staged"]
+            eng.submit(segment, [TransferRequest(OpCode.WRITE, dev.address + off, remote + off,
+                                                 REQUEST) for off in range(0, TOTAL, REQUEST)]).wait(120)
+            proc.stdin.write("hash\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == hashlib.sha256(src).hexdigest()
+            with cuda.DeviceBuffer(TOTAL) as back:
+                eng.register_address(back.address, TOTAL)
+                eng.submit(segment, [TransferRequest(OpCode.READ, back.address + off,
+                                                     remote + off, REQUEST)
+                                     for off in range(0, TOTAL, REQUEST)]).wait(120)
+                host = bytearray(TOTAL)
+                cuda.copy(memory.address_of(host)[0], back.address, TOTAL)
+                assert host == src
+                eng.unregister(back.address)
+            eng.unregister(dev.address)
+        proc.stdin.write("exit\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "bye"
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
