@@ -6,8 +6,9 @@
 # when the copied ones do not import there (another Python, or none built). Then:
 #   1. python -m pytest tests/gpu -m cuda   (the root tests/conftest.py is not loaded)
 #   2. python tests/gpu/ceilings.py         (D2D, pinned H2D/D2H at 4 and 64 MiB, GB/s)
-# and writes one JSON, gpu_result.json, under $OUT (else tests/gpu/results/), with the
-# pytest summary and the figures, plus pytest.log beside it.
+#   3. python benchmarks/gpu_bench.py       (cuda_ipc and staged tcp/shm against those)
+# and writes gpu_result.json under $OUT (else tests/gpu/results/), with the pytest summary
+# and the figures, plus pytest.log and gpu_bench.json beside it.
 # Exit: 0 all passed and measured; 1 a test or check failed; 2 no CUDA here (the reason
 # is printed and in the JSON); 3 the build failed.
 set -euo pipefail
@@ -54,5 +55,11 @@ set +e
 timeout 180 "$PY" tests/gpu/ceilings.py --out "$JSON" --pytest-rc "$pytest_rc" --pytest-log "$LOG"
 rc=$?
 set -e
+echo "== gpu_bench: cuda_ipc and staged tcp/shm against the copy ceilings"
+set +e
+timeout 150 "$PY" benchmarks/gpu_bench.py --duration 1 --out "$RESULTS/gpu_bench.json"
+bench_rc=$?
+set -e
+if [ "$rc" -eq 0 ] && [ "$bench_rc" -ne 0 ]; then rc=1; fi
 echo "== run.sh done in $(( $(date +%s) - started )) s: exit $rc"
 exit "$rc"

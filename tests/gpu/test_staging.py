@@ -1,10 +1,10 @@
-"""Local GPU memory over tcp and shm, staged through pinned memory, on a real GPU
-(marker ``cuda``).
+"""GPU memory over tcp and shm, staged through pinned memory, on a real GPU (marker
+``cuda``).
 
-A target process lends 64 MiB of host memory; this process writes it from device memory
-in 4 MiB requests over each host-only transport alone (so the staged path is the only
-one), the target hashes what landed, and the bytes are read back into device memory and
-compared.
+A target process lends 64 MiB of host memory (or, over tcp, device memory, which its tcp
+server stages); this process writes it from device memory in 4 MiB requests over one
+host-only transport alone (so a staged path is the only one), the target hashes what
+landed, and the bytes are read back into device memory and compared.
 """
 
 from __future__ import annotations
@@ -32,24 +32,30 @@ REQUEST = 4 * MIB
 _TARGET = textwrap.dedent("""
     import hashlib, sys
     from mooncake_plugins.config import EngineConfig
-    from mooncake_plugins.transfer import TransferEngine
+    from mooncake_plugins.transfer import TransferEngine, cuda, memory
     eng = TransferEngine(config=EngineConfig(transports=%r))
     host = bytearray(%d)
-    region = eng.register(host)
+    dev = cuda.DeviceBuffer(len(host)) if %r else None
+    region = eng.register_address(dev.address, dev.nbytes) if dev else eng.register(host)
     print(eng.segment_name, region.address, flush=True)
     for line in sys.stdin:
         if line.strip() != "hash":
             break
+        if dev:
+            cuda.copy(memory.address_of(host)[0], dev.address, dev.nbytes)
         print(hashlib.sha256(host).hexdigest(), flush=True)
     eng.close()
+    if dev:
+        dev.close()
     print("bye", flush=True)
 """)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_device_memory_to_a_peers_host_memory_and_back(transport: str) -> None:
+@pytest.mark.parametrize("transport,target", [("tcp", "host"), ("shm", "host"), ("tcp", "gpu")])
+def test_device_memory_to_a_peers_memory_and_back(transport: str, target: str) -> None:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", _TARGET % ([transport], TOTAL)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-c",
+                             _TARGET % ([transport], TOTAL, target == "gpu")], cwd=REPO,
                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdin is not None
@@ -63,7 +69,8 @@ def test_device_memory_to_a_peers_host_memory_and_back(transport: str) -> None:
             cuda.copy(dev.address, memory.address_of(staging)[0], TOTAL)
             eng.register_address(dev.address, TOTAL)
             peer = eng.open_segment(segment)
-            assert [type(t).__name__ for t in eng._paths(peer, None, ("cuda", "host"))] == ["Staged"]
+            kinds = ("cuda", "cuda" if target == "gpu" else "host")
+            assert [type(t).__name__ for t in eng._paths(peer, None, kinds)] == ["Staged"]
             eng.submit(segment, [TransferRequest(OpCode.WRITE, dev.address + off, remote + off,
                                                  REQUEST) for off in range(0, TOTAL, REQUEST)]).wait(120)
             proc.stdin.write("hash\n")

@@ -1,6 +1,6 @@
 """GPU registration and the cuda_ipc transport, over a driver TEST DOUBLE (no GPU here).
 
-``CudaDriverDouble`` (tests/transfer/cuda_double.py) stands in for ``_native.cuda``: it
+``CudaDriverDouble`` (tests/cuda_double.py) stands in for ``_native.cuda``: it
 proves the engine's and the transport's bookkeeping (locations, wire form, path choice,
 handles opened once, closed on forget and re-registration), not CUDA:
 tests/gpu/test_cuda_ipc.py runs the same paths on a real GPU.
@@ -197,13 +197,15 @@ def test_gpu_requests_go_to_cuda_ipc_and_host_stays_with_shm(double) -> None:
     try:
         assert [t.name for t in a._transports] == ["cuda_ipc", "shm", "tcp"]
         peer = a.open_segment(b.segment_name)
-        for kinds in (("host", "cuda"), ("cuda", "cuda")):
-            assert [t.name for t in a._paths(peer, None, kinds)] == ["cuda_ipc"]
-        # local GPU memory to host memory: cuda_ipc, then shm and tcp staged through
-        # pinned memory (transports/staging.py)
-        paths = a._paths(peer, None, ("cuda", "host"))
-        assert [(t.name, type(t).__name__) for t in paths] == [
-            ("cuda_ipc", "CudaIpcTransport"), ("shm", "Staged"), ("tcp", "Staged")]
+        # after cuda_ipc: tcp (its server stages a GPU target), local GPU memory through
+        # the staged forms of shm and tcp (transports/staging.py)
+        def paths(kinds):
+            return [(t.name, type(t).__name__) for t in a._paths(peer, None, kinds)]
+        assert paths(("host", "cuda")) == [("cuda_ipc", "CudaIpcTransport"),
+                                           ("tcp", "TcpTransport")]
+        assert paths(("cuda", "cuda")) == [("cuda_ipc", "CudaIpcTransport"), ("tcp", "Staged")]
+        assert paths(("cuda", "host")) == [("cuda_ipc", "CudaIpcTransport"), ("shm", "Staged"),
+                                           ("tcp", "Staged")]
         assert [t.name for t in a._paths(peer, None, ("host", "host"))] == ["shm", "tcp"]
     finally:
         a.close()
@@ -211,7 +213,7 @@ def test_gpu_requests_go_to_cuda_ipc_and_host_stays_with_shm(double) -> None:
 
 
 def test_gpu_memory_without_a_cuda_transport_is_transport_unavailable(double) -> None:
-    a, b = _engines("shm", "tcp")
+    a, b = _engines("shm")  # shm copies with the CPU: a peer's GPU memory is out of reach
     try:
         dev = double.alloc(N)
         b.register_address(dev, N)

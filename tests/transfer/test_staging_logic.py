@@ -9,6 +9,7 @@ import ctypes
 import os
 
 import pytest
+from helpers import wait_until
 
 from mooncake_plugins.config import EngineConfig
 from mooncake_plugins.errors import TransportUnavailable
@@ -69,19 +70,42 @@ def test_gpu_memory_to_and_from_a_peers_host_memory(double, transport):
     assert all(buf.closed for buf in double.pinned), "the engine freed its bounce buffers"
 
 
-def test_a_remote_gpu_region_still_needs_cuda_ipc(double):
-    """Staging is the initiator's: a peer's GPU memory is not reached over tcp."""
+@pytest.mark.parametrize("local_kind", ["host", "gpu"])
+def test_a_peers_gpu_memory_over_tcp_is_staged_by_its_server(double, local_kind):
+    """The target's tcp server receives a WRITE into its GPU region, and answers a READ
+    from it, through pinned memory; from local GPU memory both sides stage."""
     a, b = _pair("tcp")
     try:
-        dev = double.alloc(1 << 20)
-        b.register_address(dev, 1 << 20)
-        local = double.alloc(1 << 20)
-        a.register_address(local, 1 << 20)
-        with pytest.raises(TransportUnavailable, match="no transport moves cuda memory here"):
-            a.write(b.segment_name, local, dev, 1 << 20)
+        remote = double.alloc(N, device=1)
+        b.register_address(remote, N)
+        if local_kind == "gpu":
+            local = double.alloc(N)
+            a.register_address(local, N)
+        else:
+            buf = bytearray(N)
+            local = a.register(buf).address
+        pattern = os.urandom(N)
+        ctypes.memmove(local, pattern, N)
+        a.write(b.segment_name, local, remote, N)
+        assert double.view(remote, N) == pattern
+        ctypes.memmove(local, bytes(N), N)
+        a.read(b.segment_name, local, remote, N)
+        assert double.view(local, N) == pattern
+        # every copy ran between GPU memory and a pinned buffer; the server's covered the
+        # remote region twice (in, then out), the initiator's its own buffer twice
+        moved = {remote: 0, local: 0}
+        for dst, src, n in double.copy_log:
+            dev, pinned = (dst, src) if double.is_pinned(src, n) else (src, dst)
+            assert double.is_pinned(pinned, n), "device bytes went through pageable memory"
+            base = remote if remote <= dev < remote + N else local
+            assert base <= dev and dev + n <= base + N
+            moved[base] += n
+        assert moved == {remote: 2 * N, local: 2 * N if local_kind == "gpu" else 0}
     finally:
         a.close()
         b.close()
+    # the server's connection threads free theirs as they end, just after close()
+    assert wait_until(lambda: all(buf.closed for buf in double.pinned), 5.0)
 
 
 def test_groups_cut_slices_at_half_boundaries():

@@ -56,6 +56,11 @@ def kind_of_location(location: str | None) -> str:
     return HOST
 
 
+def device_of(location: str) -> int:
+    """The CUDA device ordinal of a ``cuda:N`` (or ``cuda``: 0) location."""
+    return int(location[5:]) if location[4:5] == ":" else 0
+
+
 def use_default(use: Callable[[bool], None], what: str) -> None:
     """Call ``use(True)`` (native) unless MOONCAKE_PUREPYTHON=1 or it is not built, else
     ``use(False)`` (the Python fallback); a missing build is logged."""

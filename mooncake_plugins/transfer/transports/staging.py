@@ -1,4 +1,4 @@
-"""Local GPU memory over a host-only transport (tcp, shm), through pinned bounce buffers.
+"""GPU memory over a host-only transport (tcp, shm), through pinned bounce buffers.
 
 A :class:`Staged` wraps one transport that moves host memory. For a slice whose local side
 is GPU memory it copies between the GPU and pinned host memory on a CUDA stream of its own
@@ -48,6 +48,66 @@ class _Lane:
             e.close()
         self.stream.close()
         self.buffer.close()
+
+
+class ServerStaging:
+    """One tcp server connection's staging for requests on GPU regions of this engine:
+    pinned buffers and streams per device, made on first use, freed by ``close``."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[int, _Lane] = {}
+
+    def _lane(self, device: int) -> _Lane:
+        lane = self._lanes.get(device)
+        if lane is None:
+            lane = self._lanes[device] = _Lane(device, HALF_NBYTES)
+        return lane
+
+    def receive(self, recv_into_address: Any, fd: int, address: int, nbytes: int,
+                device: int) -> None:
+        """Receive ``nbytes`` from ``fd`` into GPU memory at ``address`` (returns once
+        they are there)."""
+        lane = self._lane(device)
+        base, stream = lane.buffer.address, lane.stream
+        done, k = 0, 0
+        while done < nbytes:
+            half, n = k % 2, min(lane.half, nbytes - done)
+            if lane.used[half]:
+                lane.events[half].synchronize()
+            pinned = base + half * lane.half
+            recv_into_address(fd, pinned, n)
+            cuda.copy_async(address + done, pinned, n, stream)
+            lane.events[half].record(stream)
+            lane.used[half] = True
+            done, k = done + n, k + 1
+        stream.synchronize()
+        lane.used = [False, False]
+
+    def send(self, send_frame: Any, fd: int, header: bytes, address: int, nbytes: int,
+             device: int) -> None:
+        """Send ``header`` and then ``nbytes`` of GPU memory at ``address`` on ``fd``."""
+        lane = self._lane(device)
+        base, stream = lane.buffer.address, lane.stream
+        first = min(lane.half, nbytes)
+        cuda.copy_async(base, address, first, stream)
+        lane.events[0].record(stream)
+        done, k = 0, 0
+        while done < nbytes:
+            half, n = k % 2, min(lane.half, nbytes - done)
+            lane.events[half].synchronize()
+            nxt = min(lane.half, nbytes - done - n)
+            if nxt:  # the other half was sent last round: fill it while this one goes out
+                other = 1 - half
+                cuda.copy_async(base + other * lane.half, address + done + n, nxt, stream)
+                lane.events[other].record(stream)
+            send_frame(fd, header, base + half * lane.half, n)
+            header = b""
+            done, k = done + n, k + 1
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.close()
+        self._lanes.clear()
 
 
 class Staged(Transport):

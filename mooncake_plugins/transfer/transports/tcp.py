@@ -31,7 +31,8 @@ from ..listener import (DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Connec
                         idle_waiter, set_deadline)
 from ..peer import Peer
 from ..segment import RegionTable
-from .base import HOST, OP_WRITE, PRIORITY_TCP, Transport, use_default
+from .base import CUDA, HOST, OP_WRITE, PRIORITY_TCP, Transport, device_of, use_default
+from .staging import ServerStaging
 
 if TYPE_CHECKING:
     from ...config import EngineConfig
@@ -197,6 +198,7 @@ class TcpServer(ConnectionServer):
         fd = conn.fileno()
         wait_idle = idle_waiter(fd)
         last_nbytes = 0
+        staging: ServerStaging | None = None  # made on the first request on GPU memory
         try:
             while True:
                 # after a small frame the initiator's next one usually follows at once;
@@ -217,7 +219,8 @@ class TcpServer(ConnectionServer):
                     continue
                 writing = req.op == protocol.OP_WRITE
                 try:
-                    region = self._regions.acquire(req.address, req.nbytes, remote=True)
+                    region = self._regions.acquire(req.address, req.nbytes, remote=True,
+                                                   device=True)
                 except AddressError as exc:
                     log.warning("refused %s from %s: %s", "WRITE" if writing else "READ", addr, exc)
                     if writing:
@@ -231,13 +234,23 @@ class TcpServer(ConnectionServer):
                         io.discard(fd, req.nbytes)
                         status, body = AddressError.code, b"region is registered read-only"
                     elif writing:
-                        io.recv_into_address(fd, req.address, req.nbytes)
+                        if region.device:  # GPU memory: through pinned memory
+                            staging = staging or ServerStaging()
+                            staging.receive(io.recv_into_address, fd, req.address, req.nbytes,
+                                            device_of(region.info.location))
+                        else:
+                            io.recv_into_address(fd, req.address, req.nbytes)
                         with self._count_lock:
                             self.bytes_in += req.nbytes
                         status, body = 0, b""
                     else:
-                        io.send_frame(fd, protocol.encode_response(0, req.req_id, req.nbytes),
-                                      req.address, req.nbytes)
+                        header = protocol.encode_response(0, req.req_id, req.nbytes)
+                        if region.device:
+                            staging = staging or ServerStaging()
+                            staging.send(io.send_frame, fd, header, req.address, req.nbytes,
+                                         device_of(region.info.location))
+                        else:
+                            io.send_frame(fd, header, req.address, req.nbytes)
                         with self._count_lock:
                             self.bytes_out += req.nbytes
                         continue
@@ -256,6 +269,12 @@ class TcpServer(ConnectionServer):
                 log.warning("connection from %s failed: %s", addr, exc)
         except Exception:  # never let one connection take the process down
             log.exception("closing connection from %s after an unexpected error", addr)
+        finally:
+            if staging is not None:
+                try:
+                    staging.close()
+                except Exception:  # a CUDA error at teardown: the buffers go with the process
+                    log.exception("freeing the GPU staging buffers of %s failed", addr)
 
     @staticmethod
     def _reply(fd: int, req_id: int, status: int, body: bytes) -> None:
@@ -341,6 +360,12 @@ class TcpTransport(Transport):
 
     def supports(self, peer: Peer) -> bool:
         return True
+
+    def moves(self, local_kind: str, remote_kind: str) -> bool:
+        """Host memory here, to or from host or GPU memory of the peer (its tcp server
+        stages GPU memory through pinned memory; local GPU memory goes through the
+        engine's staged form of this transport)."""
+        return local_kind == HOST and remote_kind in (HOST, CUDA)
 
     def _pool(self, host: str, port: int) -> _Pool:
         with self._lock:
