@@ -143,6 +143,9 @@ class CudaDriverDouble:
             self.copy_log.append((dst, src, nbytes))
         ctypes.memmove(dst, src, nbytes)
 
+    def memcpy(self, dst: int, src: int, nbytes: int, device: int) -> None:
+        self.memcpy_async(dst, src, nbytes, 0, device)
+
     def event_create(self, device: int, timing: bool) -> int:
         with self._lock:
             self._events += 1

@@ -7,7 +7,6 @@ for batches), reads return a tensor or None, with the reason logged.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from typing import Any, Callable, Sequence
 
@@ -600,12 +599,13 @@ def _place(header: T.TensorHeader, ptr: int, size: int) -> Any:
 
 
 def _header_at(ptr: int, size: int) -> T.TensorHeader:
-    """Check the header of a ``[header | data]`` buffer of ``size`` bytes at ``ptr``."""
+    """Check the header of a ``[header | data]`` buffer of ``size`` bytes at ``ptr`` (host
+    or GPU memory; a pointer to neither is InvalidArgument, not a crash)."""
     if not ptr:
         raise InvalidParams("buffer pointer cannot be null")
     if size < T.HEADER_SIZE:
         raise InvalidParams(f"{size} bytes cannot hold a tensor header")
-    return T.parse_header(ctypes.string_at(ptr, T.HEADER_SIZE), size)
+    return T.parse_header(memory.read_bytes(ptr, T.HEADER_SIZE), size)
 
 
 def _decoded(key: str, fn: Callable[[], Any]) -> Any:

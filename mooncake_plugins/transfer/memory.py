@@ -278,6 +278,20 @@ def kind_of(address: int, nbytes: int = 0) -> str:
     raise InvalidArgument(f"0x{address:x} + {nbytes} is not readable memory of this process {why}")
 
 
+def read_bytes(address: int, nbytes: int) -> bytes:
+    """``nbytes`` at ``address``, from host memory or GPU memory (through a CUDA copy):
+    never a CPU read of device memory, never a fault.
+
+    Raises:
+        InvalidArgument: as :func:`kind_of` (memory that is neither, e.g. a bad pointer).
+    """
+    if kind_of(address, nbytes) == CUDA:
+        out = bytearray(nbytes)
+        cuda.copy(address_of(out)[0], address, nbytes, cuda.pointer_info(address).device)
+        return bytes(out)
+    return ctypes.string_at(address, nbytes)
+
+
 def location_of(address: int, nbytes: int = 0) -> str:
     """The engine's location string of the memory: ``"cpu"`` or ``"cuda:N"`` (as the
     original resolves ``"*"``). Raises InvalidArgument as :func:`kind_of`."""

@@ -18,6 +18,7 @@ from mooncake_plugins.compat.store import MooncakeDistributedStore, ReplicateCon
 from mooncake_plugins.store import tensors as T  # noqa: E402
 from mooncake_plugins.store.master import MasterConfig  # noqa: E402
 from mooncake_plugins.store.server import MasterServer, ServerOptions  # noqa: E402
+from cuda_double import double  # noqa: E402,F401  (the CUDA driver test double fixture)
 
 INVALID_PARAMS = -600
 MAX_TP = 1 << 17  # more tp shards than one batch read takes
@@ -466,3 +467,25 @@ def test_parallel_from_and_into(store):
         assert torch.equal(quarter, t[3:]) and quarter.data_ptr() == out + 304
         assert store.get_tensor_with_parallelism_into("w", out, 100, target("full")) is None  # too small
     assert torch.equal(store.get_tensor("plain"), t) and torch.equal(store.get_tensor("u"), t)
+
+
+def test_put_tensor_from_a_device_buffer_and_a_bad_pointer(store, double):
+    """The ``[header | data]`` header is read through a CUDA copy from GPU memory (over the
+    CUDA driver TEST DOUBLE, tests/cuda_double.py), never by the CPU; a pointer to no
+    memory at all is INVALID_PARAMS, not a crash."""
+    t = torch.arange(10, dtype=torch.float32)
+    assert store.put_tensor("src", t) == 0
+    size = 304 + nbytes(t)
+    dev = double.alloc(size)
+    with Registered(store, size) as buf:  # the object's bytes, put into "device" memory
+        assert store.get_into("src", buf.ptr, size) == size
+        ctypes.memmove(dev, buf.ptr, size)
+    assert store.register_buffer(dev, size) == 0
+    double.copy_log.clear()
+    assert store.put_tensor_from("gdst", dev, size) == 0
+    assert any(s == dev and n == 304 for _, s, n in double.copy_log), \
+        "the header was read with a CUDA copy"
+    assert store.unregister_buffer(dev) == 0
+    assert same(store.get_tensor("gdst"), t)
+    assert store.put_tensor_from("bad", 8, size) == INVALID_PARAMS  # unmapped: refused
+    assert store.is_exist("bad") == 0
