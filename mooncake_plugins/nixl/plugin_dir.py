@@ -12,7 +12,7 @@ mirrors the wheel's layout around its plugin directory, with symlinks::
     <root>/nixl_cuXX*                                       -> the wheel's
 
 and every bundled plugin resolves its libraries as it does from the wheel. The directory is
-made once per NIXL installation and reused (a cache directory; its name says which).
+made once per NIXL installation (and plugin set) and reused, under ``~/.cache``.
 """
 
 from __future__ import annotations
@@ -85,7 +85,12 @@ def plugin_dir(cache: Path | None = None) -> Path:
     package = nixl_package()
     bundled = bundled_dir(package)
     libs, site = bundled.parent, bundled.parent.parent
-    key = hashlib.sha256(f"{bundled.resolve()}\0{PLUGIN_FILE.resolve()}".encode()).hexdigest()[:12]
+    # named for exactly what it links (a NIXL upgrade or another plugin set gets a
+    # directory of its own): one that exists is whole, as it is made under a temporary
+    # name and renamed, so processes starting at once (vLLM's) never remove each other's
+    state = [str(bundled.resolve()), str(PLUGIN_FILE.resolve())]
+    state += [f"{e.name}:{e.stat().st_size}:{e.stat().st_mtime_ns}" for e in sorted(bundled.iterdir())]
+    key = hashlib.sha256("\0".join(state).encode()).hexdigest()[:12]
     root = (cache or _cache_root()) / f"{package}-{key}"
     target = root / libs.name / bundled.name
     if _complete(target, bundled):
@@ -104,8 +109,6 @@ def plugin_dir(cache: Path | None = None) -> Path:
         (tmp / "README").write_text(
             f"NIXL plugin directory made by mooncake_plugins for {bundled}\n"
             f"ours: {', '.join(names)} -> {PLUGIN_FILE}\n")
-        if root.exists():  # stale (a NIXL upgrade changed the bundled plugins)
-            shutil.rmtree(root, ignore_errors=True)
         try:
             tmp.rename(root)
         except OSError:  # made meanwhile by another process: use that one

@@ -155,6 +155,15 @@ def test_plugin_dir_mirrors_the_wheel_layout(tmp_path, monkeypatch):
     again = pd.plugin_dir(cache=tmp_path / "cache")
     assert (again / "libplugin_Mooncake.so").read_text() == "theirs"
     assert (again / "libplugin_MOONCAKE.so").resolve() == pd.PLUGIN_FILE.resolve()
+    assert (made / "libplugin_Mooncake.so").resolve() == pd.PLUGIN_FILE.resolve()  # kept
+
+    # processes starting at once (vLLM's) all get one whole directory, none removed
+    (libs / "plugins" / "libplugin_POSIX.so").write_text("posix")
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(8) as pool:
+        dirs = list(pool.map(lambda _: pd.plugin_dir(cache=tmp_path / "cache"), range(8)))
+    assert len(set(dirs)) == 1 and (dirs[0] / "libplugin_POSIX.so").read_text() == "posix"
+    assert not [d for d in (tmp_path / "cache").iterdir() if d.name.startswith(".")]  # no leftovers
 
 
 def test_no_nixl_is_one_clear_sentence(monkeypatch):
