@@ -20,7 +20,6 @@ import argparse
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -28,30 +27,18 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "tests" / "gpu"))
 
 from mooncake_plugins.config import EngineConfig  # noqa: E402
 from mooncake_plugins.transfer import TransferEngine, cuda  # noqa: E402
 from mooncake_plugins.transfer.batch import OpCode, TransferRequest  # noqa: E402
+from peers import TARGET  # noqa: E402  (the GPU tests' target process)
 from transfer_bench import log, write_results  # noqa: E402
 
 MIB = 1 << 20
 TOTAL = 64 * MIB
 REQUEST = 4 * MIB
 
-TARGET = textwrap.dedent("""
-    import sys
-    from mooncake_plugins.config import EngineConfig
-    from mooncake_plugins.transfer import TransferEngine, cuda
-    eng = TransferEngine(config=EngineConfig(transports=%r))
-    host = bytearray(%d)
-    dev = cuda.DeviceBuffer(len(host)) if %r else None
-    region = eng.register_address(dev.address, dev.nbytes) if dev else eng.register(host)
-    print(eng.segment_name, region.address, flush=True)
-    sys.stdin.readline()
-    eng.close()
-    if dev:
-        dev.close()
-""")
 
 ROWS = [  # label, transports, local kind, remote kind
     ("cuda_ipc gpu->gpu", ["cuda_ipc"], "gpu", "gpu"),
@@ -100,7 +87,7 @@ def row(transports: list[str], local_kind: str, remote_kind: str, duration_s: fl
                 dev.close()
         return gbps
     finally:
-        proc.stdin.write("\n")
+        proc.stdin.write("exit\n")
         proc.stdin.flush()
         try:
             proc.wait(30)

@@ -13,10 +13,10 @@ import hashlib
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+from peers import TARGET
 
 from mooncake_plugins.config import EngineConfig
 from mooncake_plugins.transfer import TransferEngine, cuda, memory
@@ -29,33 +29,13 @@ MIB = 1 << 20
 TOTAL = 64 * MIB
 REQUEST = 4 * MIB
 
-_TARGET = textwrap.dedent("""
-    import hashlib, sys
-    from mooncake_plugins.config import EngineConfig
-    from mooncake_plugins.transfer import TransferEngine, cuda, memory
-    eng = TransferEngine(config=EngineConfig(transports=%r))
-    host = bytearray(%d)
-    dev = cuda.DeviceBuffer(len(host)) if %r else None
-    region = eng.register_address(dev.address, dev.nbytes) if dev else eng.register(host)
-    print(eng.segment_name, region.address, flush=True)
-    for line in sys.stdin:
-        if line.strip() != "hash":
-            break
-        if dev:
-            cuda.copy(memory.address_of(host)[0], dev.address, dev.nbytes)
-        print(hashlib.sha256(host).hexdigest(), flush=True)
-    eng.close()
-    if dev:
-        dev.close()
-    print("bye", flush=True)
-""")
 
 
 @pytest.mark.parametrize("transport,target", [("tcp", "host"), ("shm", "host"), ("tcp", "gpu")])
 def test_device_memory_to_a_peers_memory_and_back(transport: str, target: str) -> None:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-c",
-                             _TARGET % ([transport], TOTAL, target == "gpu")], cwd=REPO,
+                             TARGET % ([transport], TOTAL, target == "gpu")], cwd=REPO,
                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdin is not None
