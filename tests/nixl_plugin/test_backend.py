@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cuda_double import double  # noqa: F401  (the CUDA driver test double fixture)
 
 from mooncake_plugins.nixl import backend as nb
 from mooncake_plugins.nixl import plugin_dir as pd
@@ -194,3 +195,28 @@ def test_check_waits_only_for_a_busy_poller(pair):
     assert a.check(xfer) == nb.IN_PROG and Running.waits == [nb.CHECK_WAIT_S]  # busy poll
     xfer.checked -= 2 * nb.BUSY_POLL_S  # as if the last check were a step ago
     assert a.check(xfer) == nb.IN_PROG and Running.waits == [nb.CHECK_WAIT_S]
+
+
+def test_vram_registrations_go_to_the_engines_gpu_paths(pair, double):
+    """VRAM_SEG memory registered through the backend is GPU memory of the engine (its
+    device from NIXL's devId), and moves by the engine's GPU paths: here to the peer's DRAM
+    and back, staged through pinned memory over tcp (the peer's transports). Over the CUDA
+    driver TEST DOUBLE (tests/cuda_double.py): the glue, not CUDA."""
+    a, b = pair
+    n = 1 << 20
+    dev = double.alloc(n, device=1)
+    pattern = bytes(range(256)) * (n // 256)
+    ctypes.memmove(dev, pattern, n)
+    host = bytearray(n)
+    chost = (ctypes.c_char * n).from_buffer(host)
+    haddr = ctypes.addressof(chost)
+    token = a.register(dev, n, 1, nb.VRAM_SEG)
+    assert token > 0 and [r.location for r in a.engine.regions()] == ["cuda:1"]
+    assert b.register(haddr, n, 0, nb.DRAM_SEG) > 0
+    xfer = a.prepare(nb.NIXL_WRITE, "b", descs((dev, haddr, n)))
+    assert finish(a, xfer, a.post(xfer, b"vram")) == nb.SUCCESS
+    assert bytes(host) == pattern and b.notifs() == [(b"a", b"vram")]
+    assert sum(c[2] for c in double.copy_log) == n  # one D2H of every byte
+    assert all(double.is_pinned(d, c) for d, _, c in double.copy_log)
+    assert a.deregister(token) == nb.SUCCESS
+    del chost
