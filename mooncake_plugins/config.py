@@ -8,9 +8,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 PURE_PYTHON: bool = os.environ.get("MOONCAKE_PUREPYTHON") == "1"
 """Force the pure-Python fallbacks even where the native extensions are built."""
+
+
+def libcuda_path(env: Any = None) -> str | None:
+    """``MOONCAKE_LIBCUDA``: the CUDA driver library to load instead of looking for
+    ``libcuda.so.1`` in the usual places (``env``: a mapping to read instead of the
+    process environment)."""
+    return (os.environ if env is None else env).get("MOONCAKE_LIBCUDA") or None
+
+
+def nixl_plugin_dir_auto() -> bool:
+    """Whether our vLLM plugin points NIXL at our plugin directory where NIXL is
+    installed and ``NIXL_PLUGIN_DIR`` is unset (``MC_NIXL_PLUGIN_DIR=0``: it does not)."""
+    return os.environ.get("MC_NIXL_PLUGIN_DIR") != "0"
 
 
 DEFAULT_TRANSPORTS: tuple[str, ...] = ("cuda_ipc", "shm", "tcp")

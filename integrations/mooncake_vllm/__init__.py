@@ -37,7 +37,8 @@ def _point_nixl_at_our_backend() -> None:
     ``mooncake_plugins.nixl.plugin_dir``) where NIXL is installed and the user set none.
     ``MC_NIXL_PLUGIN_DIR=0`` turns this off. Runs before any NIXL agent exists: NIXL reads
     the variable when its first agent starts."""
-    if "NIXL_PLUGIN_DIR" in os.environ or os.environ.get("MC_NIXL_PLUGIN_DIR") == "0":
+    from mooncake_plugins.config import nixl_plugin_dir_auto
+    if "NIXL_PLUGIN_DIR" in os.environ or not nixl_plugin_dir_auto():
         return
     if importlib.util.find_spec("nixl_meta_utils") is None and \
             importlib.util.find_spec("nixl_cu12") is None and \

@@ -34,7 +34,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..config import PURE_PYTHON
+from ..config import PURE_PYTHON, libcuda_path
 from ..errors import InvalidArgument, MooncakeError, TransportUnavailable
 
 log = logging.getLogger(__name__)
@@ -119,9 +119,8 @@ def _use_default() -> None:
 
 def library_candidates(env: Any = None) -> list[str]:
     """Where the driver is looked for, in order (see the module docstring)."""
+    explicit = libcuda_path(env)
     env = os.environ if env is None else env
-    # TODO(config owner): MOONCAKE_LIBCUDA belongs in config.py with the other knobs.
-    explicit = env.get("MOONCAKE_LIBCUDA")
     if explicit:
         return [explicit]
     paths = [LIBRARY]
@@ -168,7 +167,7 @@ def _try_load() -> None:
         return
     path = _native.library_path()
     if path is None:  # nothing opened yet in this process
-        explicit = bool(os.environ.get("MOONCAKE_LIBCUDA"))
+        explicit = bool(libcuda_path())
         failures: list[tuple[str, str, str]] = []
         for candidate in library_candidates():
             try:
