@@ -143,22 +143,22 @@ def test_prepped_lists_and_notifications(spawn_peer, initiator, transports):
 
 
 def test_write_notification_arrives_after_the_data(spawn_peer, initiator, transports):
-    nbytes = 16 * MIB
+    nbytes = 64 * MIB  # long enough in flight that an early notification would be seen
     peer = spawn_peer("decode", nbytes, params={"transports": transports} if transports else {})
     connect(initiator, peer)
     local = pattern(nbytes, 5)
     initiator.register_memory([(local.ctypes.data, nbytes, 0, "")], "DRAM")
     for round_ in range(3):
-        local[:8] = round_
+        local[-8:] = 200 + round_  # the bytes that land last change every round
         handle = initiator.initialize_xfer(
             "WRITE", initiator.get_xfer_descs([(local.ctypes.data, nbytes, 0)], "DRAM"),
             initiator.get_xfer_descs([(peer.address, nbytes, 0)], "DRAM"), peer.name,
             f"round-{round_}".encode())
         initiator.transfer(handle)
-        # the peer digests its buffer the moment the notification shows up
-        got = peer.call("notifs", 1, 30.0, 0, nbytes)
+        # the peer reads those last bytes the moment the notification shows up
+        got = peer.call("notifs", 1, 30.0, nbytes - 8, 8)
         assert [(n, m) for n, m, _ in got] == [("initiator", f"round-{round_}".encode())]
-        assert got[0][2] == digest(local)
+        assert got[0][2] == digest(local[-8:]), "the notification came before the data"
         assert wait(initiator, handle) == "DONE"
         initiator.release_xfer_handle(handle)
 
