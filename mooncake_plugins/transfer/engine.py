@@ -235,8 +235,9 @@ class TransferEngine:
                 (log.debug if implicit and name in registry.OPT_IN else log.warning)(
                     "transport %s disabled: %s", name, exc)
         self._transports = registry.rank(self._transports)  # best first: see _paths
-        # local GPU memory over the host-only ones, through pinned memory: offered only
-        # where a CUDA driver is loaded (see _reaching), after every direct path
+        # local GPU memory over the host-only ones, through pinned memory: offered for
+        # slices from GPU memory where a CUDA driver is loaded, after every direct path
+        # (see _moving; a host-memory slice never pays for the check)
         self._staged = [Staged(t) for t in self._transports if CUDA not in t.memory_kinds]
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="mc-worker")
         publish_local(self.rpc_port, self._regions)
@@ -646,19 +647,20 @@ class TransferEngine:
     def _reaching(self, peer: Peer, transport: str | None) -> list[Transport]:
         """The configured transports that reach ``peer``, best first (they are kept ranked
         by priority), restricted to the one named ``transport`` if given."""
-        offered = self._transports + self._staged if self._staged and cuda.driver_in_process() \
-            else self._transports
-        paths = [t for t in offered if (transport in (None, "", t.name)) and t.supports(peer)]
+        paths = [t for t in self._transports if (transport in (None, "", t.name)) and t.supports(peer)]
         if not paths:
             raise TransportUnavailable(f"no transport reaches segment {peer.name!r}"
                                        + (f" with hint {transport!r}" if transport else ""))
         return paths
 
-    @staticmethod
-    def _moving(peer: Peer, reach: list[Transport], transport: str | None,
+    def _moving(self, peer: Peer, reach: list[Transport], transport: str | None,
                 kinds: tuple[str, str]) -> list[Transport]:
-        """Those of ``reach`` that move ``(local kind, remote kind)`` memory, in order."""
+        """Those of ``reach`` that move ``(local kind, remote kind)`` memory, in order; for
+        local GPU memory where a CUDA driver is loaded (staging copies with it), then the
+        staged forms of the host-only ones in ``reach``."""
         paths = [t for t in reach if t.moves(*kinds)]
+        if kinds[0] == CUDA and cuda.driver_in_process():
+            paths += [s for s in self._staged if s.inner in reach and s.moves(*kinds)]
         if not paths:
             tried = ", ".join(f"{t.name} (moves {'/'.join(sorted(t.memory_kinds))})" for t in reach)
             raise TransportUnavailable(
