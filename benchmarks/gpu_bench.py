@@ -17,8 +17,6 @@ benchmarks/results/gpu_bench.json (or --out).
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ sys.path.insert(0, str(REPO / "tests" / "gpu"))
 from mooncake_plugins.config import EngineConfig  # noqa: E402
 from mooncake_plugins.transfer import TransferEngine, cuda  # noqa: E402
 from mooncake_plugins.transfer.batch import OpCode, TransferRequest  # noqa: E402
-from peers import TARGET  # noqa: E402  (the GPU tests' target process)
+from peers import TARGET, Target  # noqa: E402  (the GPU tests' target process)
 from transfer_bench import log, write_results  # noqa: E402
 
 MIB = 1 << 20
@@ -61,39 +59,24 @@ def d2d_gbps(duration_s: float) -> float:
 
 
 def row(transports: list[str], local_kind: str, remote_kind: str, duration_s: float) -> float:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", TARGET % (transports, TOTAL,
-                                                             remote_kind == "gpu")],
-                            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        segment, remote = proc.stdout.readline().split()
-        remote_addr = int(remote)
-        with TransferEngine(config=EngineConfig(transports=transports)) as eng:
-            dev = cuda.DeviceBuffer(TOTAL) if local_kind == "gpu" else None
-            host = bytearray(TOTAL)
-            local = eng.register_address(dev.address, TOTAL).address if dev \
-                else eng.register(host).address
-            reqs = [TransferRequest(OpCode.WRITE, local + off, remote_addr + off, REQUEST)
-                    for off in range(0, TOTAL, REQUEST)]
-            eng.submit(segment, reqs).wait(120)  # warm-up: connections, handles, buffers
-            n, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < duration_s:
-                eng.submit(segment, reqs).wait(120)
-                n += 1
-            gbps = n * TOTAL / (time.perf_counter() - t0) / 1e9
-            eng.unregister(local)
-            if dev:
-                dev.close()
-        return gbps
-    finally:
-        proc.stdin.write("exit\n")
-        proc.stdin.flush()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with Target(TARGET % (transports, TOTAL, remote_kind == "gpu")) as target, \
+            TransferEngine(config=EngineConfig(transports=transports)) as eng:
+        dev = cuda.DeviceBuffer(TOTAL) if local_kind == "gpu" else None
+        host = bytearray(TOTAL)
+        local = eng.register_address(dev.address, TOTAL).address if dev \
+            else eng.register(host).address
+        reqs = [TransferRequest(OpCode.WRITE, local + off, target.address + off, REQUEST)
+                for off in range(0, TOTAL, REQUEST)]
+        eng.submit(target.segment, reqs).wait(120)  # warm-up: connections, handles, buffers
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < duration_s:
+            eng.submit(target.segment, reqs).wait(120)
+            n += 1
+        gbps = n * TOTAL / (time.perf_counter() - t0) / 1e9
+        eng.unregister(local)
+        if dev:
+            dev.close()
+    return gbps
 
 
 def main() -> int:

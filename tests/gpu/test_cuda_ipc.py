@@ -9,13 +9,10 @@ every byte is compared, on both sides (the target hashes its device memory).
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from peers import Target
 
 from mooncake_plugins.config import EngineConfig
 from mooncake_plugins.transfer import TransferEngine, cuda, memory
@@ -23,7 +20,6 @@ from mooncake_plugins.transfer.batch import OpCode, TransferRequest
 
 pytestmark = pytest.mark.cuda
 
-REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 TOTAL = 64 * MIB
 REQUEST = 4 * MIB
@@ -73,14 +69,8 @@ def test_register_resolves_device_memory_and_publishes_its_handle() -> None:
 
 
 def test_two_processes_write_and_read_64_mib_in_4_mib_requests() -> None:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", _TARGET % (TRANSPORTS, TOTAL)], cwd=REPO,
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        first = proc.stdout.readline().split()
-        assert len(first) == 2, f"target failed to start (exit {proc.poll()})"
-        segment, remote = first[0], int(first[1])
+    with Target(_TARGET % (TRANSPORTS, TOTAL)) as target:
+        segment, remote = target.segment, target.address
         eng = TransferEngine(config=EngineConfig(transports=TRANSPORTS))
         try:
             src = bytearray(_pattern(TOTAL, 7))
@@ -90,9 +80,7 @@ def test_two_processes_write_and_read_64_mib_in_4_mib_requests() -> None:
             eng.submit(segment, [TransferRequest(OpCode.WRITE, src_addr + off, remote + off,
                                                  REQUEST)
                                  for off in range(0, TOTAL, REQUEST)]).wait(60)
-            proc.stdin.write("hash\n")
-            proc.stdin.flush()
-            assert proc.stdout.readline().strip() == hashlib.sha256(src).hexdigest()
+            assert target.ask("hash") == hashlib.sha256(src).hexdigest()
             # device to device, into our own GPU memory
             with cuda.DeviceBuffer(TOTAL) as mine:
                 eng.register_address(mine.address, TOTAL)
@@ -114,11 +102,3 @@ def test_two_processes_write_and_read_64_mib_in_4_mib_requests() -> None:
             assert ipc._cache.opened == 1  # one handle for every slice
         finally:
             eng.close()
-        proc.stdin.write("exit\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline().strip() == "bye"
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

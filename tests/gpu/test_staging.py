@@ -10,13 +10,9 @@ landed, and the bytes are read back into device memory and compared.
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from peers import TARGET
+from peers import TARGET, Target
 
 from mooncake_plugins.config import EngineConfig
 from mooncake_plugins.transfer import TransferEngine, cuda, memory
@@ -24,24 +20,15 @@ from mooncake_plugins.transfer.batch import OpCode, TransferRequest
 
 pytestmark = pytest.mark.cuda
 
-REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 TOTAL = 64 * MIB
 REQUEST = 4 * MIB
 
 
-
 @pytest.mark.parametrize("transport,target", [("tcp", "host"), ("shm", "host"), ("tcp", "gpu")])
 def test_device_memory_to_a_peers_memory_and_back(transport: str, target: str) -> None:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c",
-                             TARGET % ([transport], TOTAL, target == "gpu")], cwd=REPO,
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        first = proc.stdout.readline().split()
-        assert len(first) == 2, f"target failed to start (exit {proc.poll()})"
-        segment, remote = first[0], int(first[1])
+    with Target(TARGET % ([transport], TOTAL, target == "gpu")) as peer_proc:
+        segment, remote = peer_proc.segment, peer_proc.address
         src = bytes((i * 131 + 7) % 251 for i in range(4096)) * (TOTAL // 4096)
         with TransferEngine(config=EngineConfig(transports=[transport])) as eng, \
                 cuda.DeviceBuffer(TOTAL) as dev:
@@ -53,9 +40,7 @@ def test_device_memory_to_a_peers_memory_and_back(transport: str, target: str) -
             assert [type(t).__name__ for t in eng._paths(peer, None, kinds)] == ["Staged"]
             eng.submit(segment, [TransferRequest(OpCode.WRITE, dev.address + off, remote + off,
                                                  REQUEST) for off in range(0, TOTAL, REQUEST)]).wait(120)
-            proc.stdin.write("hash\n")
-            proc.stdin.flush()
-            assert proc.stdout.readline().strip() == hashlib.sha256(src).hexdigest()
+            assert peer_proc.ask("hash") == hashlib.sha256(src).hexdigest()
             with cuda.DeviceBuffer(TOTAL) as back:
                 eng.register_address(back.address, TOTAL)
                 eng.submit(segment, [TransferRequest(OpCode.READ, back.address + off,
@@ -66,11 +51,3 @@ def test_device_memory_to_a_peers_memory_and_back(transport: str, target: str) -
                 assert host == src
                 eng.unregister(back.address)
             eng.unregister(dev.address)
-        proc.stdin.write("exit\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline().strip() == "bye"
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
