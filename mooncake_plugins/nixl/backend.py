@@ -124,11 +124,9 @@ class Transfer:
     batch (so it needs no polling), and the post completes once it has been sent.
     """
 
-    __slots__ = ("op", "agent", "requests", "batch", "notifying", "error", "released",
-                 "checked")
+    __slots__ = ("agent", "requests", "batch", "notifying", "error", "released", "checked")
 
-    def __init__(self, op: OpCode, agent: str, requests: list[TransferRequest]) -> None:
-        self.op = op
+    def __init__(self, agent: str, requests: list[TransferRequest]) -> None:
         self.agent = agent
         self.requests = requests
         self.batch: Batch | None = None
@@ -269,7 +267,7 @@ class NixlBackend:
         code = OpCode.READ if op == NIXL_READ else OpCode.WRITE
         requests = [TransferRequest(code, local, remote, n) for local, remote, n
                     in zip(words[0::3], words[1::3], words[2::3]) if n]
-        return Transfer(code, agent, requests)
+        return Transfer(agent, requests)
 
     @_guarded
     def post(self, xfer: Transfer, notif: bytes | None) -> int:

@@ -201,7 +201,7 @@ def test_check_waits_only_for_a_busy_poller(pair):
             self.waits.append(timeout_s)
             return False
 
-    xfer = nb.Transfer(nb.OpCode.READ, "b", [])
+    xfer = nb.Transfer("b", [])
     xfer.batch = Running()
     assert a.check(xfer) == nb.IN_PROG and Running.waits == []  # first check: no wait
     assert a.check(xfer) == nb.IN_PROG and Running.waits == [nb.CHECK_WAIT_S]  # busy poll

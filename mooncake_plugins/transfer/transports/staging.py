@@ -12,16 +12,20 @@ device copy of one group overlaps the network or shm move of the other:
   into the other half while it runs (a half is reused only after its H2D event).
 
 Each engine worker thread has its own stream, events and bounce buffer per device (made on
-first use, freed with the transport). The engine offers a ``Staged`` path only where a
-CUDA driver is loaded in the process (a GPU region exists), after the transports that
-move GPU memory themselves (cuda_ipc). The peer's side stays host memory here: a remote
-GPU region is reached by cuda_ipc on the same host.
+first use, freed with the transport). The engine offers a ``Staged`` path for slices from
+GPU memory where a CUDA driver is loaded, after the transports that move GPU memory
+themselves (cuda_ipc).
+
+The target's side of tcp is :class:`ServerStaging`: a tcp server connection receives a
+WRITE into a GPU region, and answers a READ from one, in ``HALF_NBYTES`` chunks through
+the same two-half pipelines (``_Lane.to_device``, ``_Lane.from_device``). shm cannot reach
+a peer's GPU memory (the CPU copies it); cuda_ipc does, on one host.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ...errors import AddressError, MooncakeError, TransferError
 from .. import cuda
@@ -41,6 +45,52 @@ class _Lane:
         self.events = [cuda.Event(device), cuda.Event(device)]
         self.used = [False, False]  # whether an H2D from each half may still run
         self.buffer = cuda.pinned_buffer(2 * half, device)
+
+    def _pinned(self, half: int, group: list[tuple]) -> list[int]:
+        """Where each slice of ``group`` sits in ``half`` of the bounce buffer."""
+        out, offset = [], self.buffer.address + half * self.half
+        for s in group:
+            out.append(offset)
+            offset += s[4]
+        return out
+
+    def to_device(self, groups: list[list[tuple]], receive: Callable[[list[int], list[tuple]], None]
+                  ) -> None:
+        """Into GPU memory: for each group of ``(index, op, device address, remote, nbytes)``
+        slices, ``receive(pinned addresses, group)`` fills its half of the bounce buffer,
+        then its H2D copies are queued while the next group is received into the other half
+        (a half is refilled only after its copies ended). Returns once every byte landed."""
+        for g, group in enumerate(groups):
+            half = g % 2
+            if self.used[half]:
+                self.events[half].synchronize()
+            pinned = self._pinned(half, group)
+            receive(pinned, group)
+            for at, s in zip(pinned, group):
+                cuda.copy_async(s[2], at, s[4], self.stream)
+            self.events[half].record(self.stream)
+            self.used[half] = True
+        self.stream.synchronize()
+        self.used = [False, False]
+
+    def from_device(self, groups: list[list[tuple]], send: Callable[[list[int], list[tuple]], None]
+                    ) -> None:
+        """Out of GPU memory: each group's D2H copies into its half are queued, then the
+        group before (in the other half) goes out with ``send(pinned addresses, group)``,
+        then this group's copies are waited for."""
+        pending: tuple[list[int], list[tuple]] | None = None
+        for g, group in enumerate(groups):
+            half = g % 2
+            pinned = self._pinned(half, group)
+            for at, s in zip(pinned, group):
+                cuda.copy_async(at, s[2], s[4], self.stream)
+            self.events[half].record(self.stream)
+            if pending is not None:
+                send(*pending)
+            self.events[half].synchronize()
+            pending = (pinned, group)
+        if pending is not None:
+            send(*pending)
 
     def close(self) -> None:
         self.stream.synchronize()
@@ -68,41 +118,19 @@ class ServerStaging:
         """Receive ``nbytes`` from ``fd`` into GPU memory at ``address`` (returns once
         they are there)."""
         lane = self._lane(device)
-        base, stream = lane.buffer.address, lane.stream
-        done, k = 0, 0
-        while done < nbytes:
-            half, n = k % 2, min(lane.half, nbytes - done)
-            if lane.used[half]:
-                lane.events[half].synchronize()
-            pinned = base + half * lane.half
-            recv_into_address(fd, pinned, n)
-            cuda.copy_async(address + done, pinned, n, stream)
-            lane.events[half].record(stream)
-            lane.used[half] = True
-            done, k = done + n, k + 1
-        stream.synchronize()
-        lane.used = [False, False]
+        lane.to_device(_chunks(address, nbytes, lane.half),
+                       lambda pinned, group: recv_into_address(fd, pinned[0], group[0][4]))
 
     def send(self, send_frame: Any, fd: int, header: bytes, address: int, nbytes: int,
              device: int) -> None:
         """Send ``header`` and then ``nbytes`` of GPU memory at ``address`` on ``fd``."""
         lane = self._lane(device)
-        base, stream = lane.buffer.address, lane.stream
-        first = min(lane.half, nbytes)
-        cuda.copy_async(base, address, first, stream)
-        lane.events[0].record(stream)
-        done, k = 0, 0
-        while done < nbytes:
-            half, n = k % 2, min(lane.half, nbytes - done)
-            lane.events[half].synchronize()
-            nxt = min(lane.half, nbytes - done - n)
-            if nxt:  # the other half was sent last round: fill it while this one goes out
-                other = 1 - half
-                cuda.copy_async(base + other * lane.half, address + done + n, nxt, stream)
-                lane.events[other].record(stream)
-            send_frame(fd, header, base + half * lane.half, n)
-            header = b""
-            done, k = done + n, k + 1
+        headers = [header]  # the first chunk goes out with it
+
+        def out(pinned: list[int], group: list[tuple]) -> None:
+            send_frame(fd, headers.pop() if headers else b"", pinned[0], group[0][4])
+
+        lane.from_device(_chunks(address, nbytes, lane.half), out)
 
     def close(self) -> None:
         for lane in self._lanes.values():
@@ -151,50 +179,20 @@ class Staged(Transport):
     def execute_many(self, peer: Peer, slices: list[tuple[int, int, int, int, int]]) -> None:
         if not slices:
             return
+
+        def over_inner(pinned: list[int], group: list[tuple]) -> None:
+            """The wrapped transport moves the group from or into its pinned places."""
+            self.inner.execute_many(peer, [(index, op, at, remote, n) for at, (index, op, _, remote, n)
+                                           in zip(pinned, group)])
+
         try:
             lane = self._lane(cuda.pointer_info(slices[0][2]).device)
-            for op, group in _groups(slices, lane.half):
-                (self._write if op == OP_WRITE else self._read)(peer, lane, group)
+            for op, groups in _groups(slices, lane.half):
+                (lane.from_device if op == OP_WRITE else lane.to_device)(groups, over_inner)
         except AddressError as exc:  # positions of the inner transport are not ours
             raise AddressError(str(exc)) from exc
         except (MooncakeError, OSError) as exc:
             raise TransferError(f"staged {self.inner.name} transfer failed: {exc}") from exc
-
-    def _write(self, peer: Peer, lane: _Lane, groups: list[list[tuple]]) -> None:
-        base, stream = lane.buffer.address, lane.stream
-        pending: list[tuple] | None = None
-        for g, group in enumerate(groups):
-            half = g % 2
-            staged, offset = [], base + half * lane.half
-            for index, op, local, remote, n in group:
-                cuda.copy_async(offset, local, n, stream)
-                staged.append((index, op, offset, remote, n))
-                offset += n
-            lane.events[half].record(stream)
-            if pending is not None:  # the other half, filled before: sent while this one fills
-                self.inner.execute_many(peer, pending)
-            lane.events[half].synchronize()
-            pending = staged
-        if pending is not None:
-            self.inner.execute_many(peer, pending)
-
-    def _read(self, peer: Peer, lane: _Lane, groups: list[list[tuple]]) -> None:
-        base, stream = lane.buffer.address, lane.stream
-        for g, group in enumerate(groups):
-            half = g % 2
-            if lane.used[half]:  # its last H2D must be done before it is received into again
-                lane.events[half].synchronize()
-            staged, offset = [], base + half * lane.half
-            for index, op, local, remote, n in group:
-                staged.append((index, op, offset, remote, n))
-                offset += n
-            self.inner.execute_many(peer, staged)
-            for (_, _, pinned, _, n), (_, _, local, _, _) in zip(staged, group):
-                cuda.copy_async(local, pinned, n, stream)
-            lane.events[half].record(stream)
-            lane.used[half] = True
-        stream.synchronize()
-        lane.used = [False, False]
 
     def forget(self, peer: Peer) -> None:
         self.inner.forget(peer)
@@ -209,6 +207,12 @@ class Staged(Transport):
 
     def __repr__(self) -> str:
         return f"<Staged {self.inner!r}>"
+
+
+def _chunks(address: int, nbytes: int, half: int) -> list[list[tuple]]:
+    """``[address, address + nbytes)`` as one-slice groups of at most ``half`` bytes (the
+    tcp server's requests: only the device address and the length are used)."""
+    return [[(0, 0, address + off, 0, min(half, nbytes - off))] for off in range(0, nbytes, half)]
 
 
 def _groups(slices: list[tuple[int, int, int, int, int]], half: int
