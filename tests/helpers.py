@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import random
 import re
 import select
 import signal
@@ -53,6 +54,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def unclaimable_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now and below the kernel's ephemeral range, so that no
+    process binding port 0 meanwhile (a vLLM engine opening its own sockets) can take it
+    before the process it is meant for binds it: for ports handed to a child to bind."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    start = random.randrange(10000, max(10001, low - 1000))
+    for port in [*range(start, low), *range(10000, start)]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below the ephemeral range (which starts at {low})")
 
 
 def terminate_group(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int:

@@ -16,7 +16,7 @@ from typing import Iterator
 import pytest
 from engines import MAX_TOKENS, PROMPT_LEN, SAMPLING, Engine, EngineSpec, engines_running, same_answer
 from framework_fixtures import require_framework
-from helpers import free_port
+from helpers import unclaimable_port
 from run_llm import prompt_tokens
 
 require_framework("nixl", "NIXL is not installed in this venv: .ci/run installs nixl 1.5.1 "
@@ -38,8 +38,10 @@ def _spec(backend: str, name: str, core: str, role: str, port: int) -> EngineSpe
 @pytest.fixture(scope="module", params=["MOONCAKE", "UCX"])
 def pair(request, tiny_llama, tmp_path_factory) -> Iterator[tuple[str, Engine, Engine]]:
     backend = request.param
-    specs = [_spec(backend, "decode", "1", "kv_consumer", free_port()),
-             _spec(backend, "prefill", "0", "kv_producer", free_port())]
+    # side-channel ports below the ephemeral range: an engine starting beside them opens
+    # its own sockets on port 0 and once took the other engine's port (CI, under load)
+    specs = [_spec(backend, "decode", "1", "kv_consumer", unclaimable_port()),
+             _spec(backend, "prefill", "0", "kv_producer", unclaimable_port())]
     with engines_running(tiny_llama, tmp_path_factory.mktemp(f"pd-nixl-{backend}"),
                          specs) as (decode, prefill):
         yield backend, prefill, decode
