@@ -1,6 +1,6 @@
 """``mooncake.store``: the original's Mooncake Store client API on our store."""
 
-from mooncake.buffer_pool import BufferLease, BufferPool
+from mooncake_plugins.compat.buffer_pool import BufferLease, BufferPool
 from mooncake_plugins.compat.store import (BufferHandle, Descriptor, DiskDescriptor,
                                            MemoryDescriptor, MooncakeDistributedStore,
                                            MooncakeHostMemAllocator, ObjectDataType,

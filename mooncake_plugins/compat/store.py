@@ -1,4 +1,5 @@
-"""``mooncake.store.MooncakeDistributedStore`` and ``ReplicateConfig`` of the original.
+"""``mooncake.store.MooncakeDistributedStore`` of the original (``ReplicateConfig``,
+``SoftPinAction`` and ``ObjectDataType`` are :mod:`..store.replicate_config`'s, re-exported).
 
 Same names, argument order and return conventions: ints are 0 or a negative ErrorCode;
 ``get`` returns ``b""`` on failure; ``get_into`` and ``batch_get_into`` return the bytes
@@ -9,7 +10,6 @@ since an int cannot carry the reason.
 from __future__ import annotations
 
 import ctypes
-import enum
 import logging
 import mmap
 import os
@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from ..config import parse_size
 from ..errors import InvalidParams, MooncakeError, NotSupported, ObjectAlreadyExists
 from ..store.client import ReplicateConfig as _Config, StoreClient
+from ..store.replicate_config import ObjectDataType, ReplicateConfig, SoftPinAction
 from ..transfer.memory import address_of
 from .engine import TransferEngine as CompatEngine
 from .store_dummy import _DummyMethods
@@ -38,103 +39,6 @@ def _size(value: Any) -> int:
         return parse_size(value)
     except ValueError as exc:
         raise InvalidParams(str(exc)) from None
-
-
-class SoftPinAction(enum.IntEnum):
-    """What a put does to the object's soft pin (the original's values)."""
-
-    PRESERVE = 0
-    ENABLE = 1
-    DISABLE = 2
-
-    def __str__(self) -> str:
-        return f"SoftPinAction.{self.name}"
-
-
-class ObjectDataType(enum.IntEnum):
-    """The original's hint of what an object holds (accepted; placement ignores it here)."""
-
-    UNKNOWN = 0
-    KVCACHE = 1
-    TENSOR = 2
-    WEIGHT = 3
-    SAMPLE = 4
-    ACTIVATION = 5
-    GRADIENT = 6
-    OPTIMIZER_STATE = 7
-    METADATA = 8
-    GENERAL = 9
-
-    def __str__(self) -> str:
-        return f"ObjectDataType.{self.name}"
-
-
-_U64 = (1 << 64) - 1
-
-
-class ReplicateConfig:
-    """The original's ReplicateConfig: placement and pinning of one put.
-
-    ``soft_pin_action``/``soft_pin_ttl_ms`` and ``with_hard_pin`` act as in the original
-    (a TTL is only valid with ``SoftPinAction.ENABLE``: the put returns -600 otherwise);
-    ``with_soft_pin`` is the older spelling of ENABLE. ``nof_replica_num``,
-    ``dfs_replica_num``, ``preferred_nof_segments`` (NVMe-oF and DFS tiers), ``data_type``,
-    ``prefer_alloc_in_same_node`` and ``group_ids`` are accepted and kept, without effect.
-    """
-
-    def __init__(self) -> None:
-        self.replica_num = 1
-        self.nof_replica_num = 0
-        self.dfs_replica_num = 0
-        self.with_soft_pin = False
-        self.with_hard_pin = False
-        self.preferred_segment = ""
-        self.preferred_segments: list[str] = []
-        self.preferred_nof_segments: list[str] = []
-        self.prefer_alloc_in_same_node = False
-        self.data_type = ObjectDataType.UNKNOWN
-        self.group_ids: list[str] | None = None  # the original's placement groups (kept, unused here)
-        self._soft_pin_action = SoftPinAction.PRESERVE
-        self._soft_pin_ttl_ms: int | None = None
-
-    @property
-    def soft_pin_action(self) -> SoftPinAction:
-        return self._soft_pin_action
-
-    @soft_pin_action.setter
-    def soft_pin_action(self, value: SoftPinAction) -> None:
-        if not isinstance(value, SoftPinAction):
-            raise TypeError(f"soft_pin_action must be a SoftPinAction, got {value!r}")
-        self._soft_pin_action = value
-
-    @property
-    def soft_pin_ttl_ms(self) -> int | None:
-        """Soft pin TTL for ENABLE (None: the master's default)."""
-        return self._soft_pin_ttl_ms
-
-    @soft_pin_ttl_ms.setter
-    def soft_pin_ttl_ms(self, value: int | None) -> None:
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or not 0 <= value <= _U64):
-            raise TypeError(f"soft_pin_ttl_ms must be None or an int in [0, 2**64), got {value!r}")
-        self._soft_pin_ttl_ms = value
-
-    def _ours(self) -> _Config:
-        preferred = list(self.preferred_segments)
-        if self.preferred_segment and self.preferred_segment not in preferred:
-            preferred.insert(0, self.preferred_segment)
-        return _Config(int(self.replica_num), preferred, bool(self.with_soft_pin),
-                       self._soft_pin_action.name.lower(), self._soft_pin_ttl_ms,
-                       bool(self.with_hard_pin))
-
-    def __str__(self) -> str:
-        ttl = "default" if self._soft_pin_ttl_ms is None else self._soft_pin_ttl_ms
-        return (f"ReplicateConfig: {{ replica_num: {self.replica_num}, soft_pin_action: "
-                f"{self._soft_pin_action.name}, soft_pin_ttl_ms: {ttl}, with_hard_pin: "
-                f"{int(self.with_hard_pin)}, preferred_segments: {self.preferred_segments}, "
-                f"preferred_segment: {self.preferred_segment!r} }}")
-
-    __repr__ = __str__
 
 
 class BufferHandle(bytes):
@@ -217,7 +121,7 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
         self._client: StoreClient | None = None
         self._setup_error: str | None = None  # why the last setup() failed
         self._hostname = ""
-        self._local_buffer_size = 0  # bytes of the BufferPool's local buffer (mooncake.buffer_pool)
+        self._local_buffer_size = 0  # bytes of the BufferPool's local buffer (compat.buffer_pool)
         self._no_local_buffer = False  # setup(local_buffer_size=0): copying puts and gets fail
 
     @property

@@ -41,6 +41,7 @@ from mooncake_plugins.errors import InvalidArgument, InvalidParams, NoAvailableS
 from mooncake_plugins.store import buffer_pool as core_pool
 from mooncake_plugins.store.master import MasterConfig
 from mooncake_plugins.store.server import MasterServer, ServerOptions
+from mooncake_plugins.transfer import fast_copy
 from mooncake_plugins.transfer.metadata.http import MetadataServer, Refused
 
 REQUIRED = {"local_hostname": "node1", "metadata_server": "http://m:8080/metadata",
@@ -411,7 +412,7 @@ def test_http_metadata_server_command_warns_off_loopback(host: str, warned: bool
 
 
 # -- fast copy ---------------------------------------------------------------------------
-CONCATS = {"python": _fast_copy._py_concat_arrays_into,
+CONCATS = {"python": fast_copy._py_concat_arrays_into,
            **({"native": native_concat} if native_concat else {})}
 
 
@@ -456,7 +457,7 @@ def test_concat_errors(concat) -> None:
 
 def test_fast_copy_implementation_follows_env() -> None:
     pure = native_concat is None or os.environ.get("MOONCAKE_PUREPYTHON") == "1"
-    assert _fast_copy.concat_arrays_into is (_fast_copy._py_concat_arrays_into if pure
+    assert _fast_copy.concat_arrays_into is (fast_copy._py_concat_arrays_into if pure
                                              else native_concat)
     out = subprocess.run([sys.executable, "-c",
                           "import mooncake._fast_copy as f; print(f.IMPLEMENTATION)"],

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..replicate_config import ReplicateConfig
 from . import dataproto as dp
 from . import payloads, writes
 from .manifest import BundleManifestStore, check_chunk_bytes, normalize_prefix
@@ -32,11 +33,6 @@ from .transport import PayloadTransport
 BundleRefLike = RemoteBundleRef | Mapping[str, Any]
 DataProtoRefLike = MooncakeDataProtoRef | Mapping[str, Any]
 WRAPPED = "__mooncake_wrapped_object__"
-
-
-def _replicate_config() -> Any:
-    from mooncake_plugins.compat.store import ReplicateConfig
-    return ReplicateConfig()
 
 
 class MooncakeBundleTransfer:
@@ -371,7 +367,7 @@ class MooncakeBundleTransfer:
                                      f"existing fields: {dangling}")
         group = writes.storage_group_for(config) if ref is None else ref._storage_group_id
         effective = config if group is None else \
-            writes.config_in_group(config, group, _replicate_config)
+            writes.config_in_group(config, group, ReplicateConfig)
         payload = StructuredObjectPayload(
             {"layout": "dataproto_stage",
              "dataproto": {"version": 1, "namespace": namespace, "partition": partition,

@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mooncake._fast_copy import concat_arrays_into as _native_concat
+from ...transfer import fast_copy
 
-concat_arrays_into: Callable[..., int] | None = _native_concat
-"""Gather copy of arrays to an address (``mooncake._fast_copy``); a patchable hook."""
+concat_arrays_into: Callable[..., int] | None = fast_copy.concat_arrays_into
+"""Gather copy of arrays to an address (``transfer.fast_copy``); a patchable hook."""
 
 OWNER_ATTR = "_mooncake_pool_owner"
 

@@ -58,19 +58,7 @@ class PayloadTransport:
     # -- pool ---------------------------------------------------------------------------
 
     def buffer_pool(self) -> Any:
-        """The pool in use: the one given, or one made for a store that supports it."""
-        if self._pool is None:
-            capsule = getattr(self._store, "_get_pyclient_capsule", None)
-            try:
-                usable = callable(capsule) and capsule() is not None
-            except Exception:
-                usable = False
-            if usable:
-                try:
-                    from mooncake.buffer_pool import BufferPool
-                    self._pool = BufferPool(self._store)
-                except (ImportError, AttributeError, RuntimeError, TypeError):
-                    return None
+        """The pool given, or None."""
         return self._pool
 
     @property
