@@ -8,12 +8,19 @@ block, so a block's KV over all layers is a list of ``(address, nbytes)`` pieces
 store's gathered puts and scattered gets take, with no staging copy. A block's object in
 the store holds its layers one after the other, each ``layer_nbytes`` long, so layer ``l``
 is the object's bytes from ``l * layer_nbytes``: what a layer-wise load reads.
+
+The tensors may live in host memory or on a CUDA device: each memory region is registered
+with its location, and the engine moves CUDA memory with its own CUDA paths (cuda_ipc,
+pinned staging). A KV cache on any other device is refused here, naming the layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
+
+from mooncake_plugins.errors import InvalidArgument
+from mooncake_plugins.transfer import cuda, memory
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +31,29 @@ class _LayerPattern:
     base: int                         # address of block 0's first piece
     block_stride: int                 # bytes from one block to the next
     pieces: tuple[tuple[int, int], ...]   # (offset from the block's start, nbytes)
+
+
+def _location(name: str, t: "torch.Tensor") -> str:
+    """Where ``t``'s memory is, as the engine registers it: ``"*"`` for host tensors (the
+    engine asks the pointer, which also finds memory CUDA manages), ``cuda:N`` for CUDA."""
+    kind = t.device.type
+    if kind == "cpu":
+        return "*"
+    if kind == "cuda":
+        return f"cuda:{t.device.index if t.device.index is not None else 0}"
+    raise ValueError(f"layer {name}: KV cache on {t.device}; the transfer engine moves host "
+                     "(cpu) and CUDA memory only")
+
+
+def _resolve(address: int, nbytes: int, location: str) -> str:
+    """``"cpu"`` or ``"cuda:N"``, as the engine will register the region; a CUDA KV cache
+    where our CUDA driver binding cannot work is refused now, with the reason."""
+    try:
+        if location.startswith("cuda") and not cuda.available():
+            raise InvalidArgument(f"moving it needs CUDA, and {cuda.why_unavailable()}")
+        return memory.registration_location(address, nbytes, location)
+    except InvalidArgument as exc:
+        raise ValueError(f"KV cache memory 0x{address:x}+{nbytes} ({location}): {exc}") from None
 
 
 def _contiguous_pieces(t: "torch.Tensor") -> list[tuple[int, int]]:
@@ -61,11 +91,9 @@ class KVLayout:
         self.layer_names = list(kv_caches)
         self.num_blocks = num_blocks
         self._patterns: list[_LayerPattern] = []
-        spans: dict[int, int] = {}
+        spans: dict[int, tuple[int, str]] = {}
         for name, t in kv_caches.items():
-            if t.device.type != "cpu":
-                raise ValueError(f"layer {name}: KV cache on {t.device}; this connector "
-                                 "moves host memory (CPU tensors)")
+            location = _location(name, t)
             dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
             if not dims:
                 raise ValueError(f"layer {name}: shape {tuple(t.shape)} has no block "
@@ -77,14 +105,18 @@ class KVLayout:
                                                 pieces))
             storage = t.untyped_storage()
             start = storage.data_ptr()
-            spans[start] = max(spans.get(start, 0), storage.nbytes())
+            spans[start] = (max(spans.get(start, (0, ""))[0], storage.nbytes()), location)
         sizes = {sum(n for _, n in p.pieces) for p in self._patterns}
         if len(sizes) != 1:
             raise ValueError(f"layers disagree on the bytes of one block: {sorted(sizes)}")
         self.layer_nbytes = sizes.pop()
         self.block_nbytes = self.layer_nbytes * len(self._patterns)
-        self.regions = sorted(spans.items())
-        """Distinct ``(address, nbytes)`` memory behind the tensors, for registration."""
+        self.regions = sorted((a, n, _resolve(a, n, loc)) for a, (n, loc) in spans.items())
+        """Distinct ``(address, nbytes, location)`` memory behind the tensors, for
+        registration (location ``"cpu"`` or ``"cuda:N"``)."""
+        self.cuda_devices = sorted({int(loc[5:]) for _, _, loc in self.regions
+                                    if loc.startswith("cuda:")})
+        """CUDA devices the KV cache lives on (empty: host memory)."""
         self.pieces_per_block = sum(len(p.pieces) for p in self._patterns)
 
     def block_pieces(self, block_id: int) -> list[tuple[int, int]]:
@@ -102,5 +134,6 @@ class KVLayout:
 
     def describe(self) -> str:
         """A short text of the layout, for logs."""
+        where = ", ".join(f"cuda:{d}" for d in self.cuda_devices) or "host memory"
         return (f"{len(self._patterns)} layers, {self.block_nbytes} bytes per block in "
-                f"{self.pieces_per_block} pieces, {len(self.regions)} memory regions")
+                f"{self.pieces_per_block} pieces, {len(self.regions)} memory regions in {where}")

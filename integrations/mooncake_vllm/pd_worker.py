@@ -27,6 +27,7 @@ from mooncake_plugins.errors import MooncakeError
 from mooncake_plugins.transfer import OpCode, TransferEngine, TransferRequest
 
 from .config import PDSettings
+from .cuda_fence import Fence, fence
 from .kv_layout import KVLayout
 from .pd_channel import ProtocolError, Pull, SideChannelServer, ask, reply
 from .pd_scheduler import PDHandshake, PDMetadata, RecvJob, SendJob
@@ -42,9 +43,10 @@ _ENDED_KEPT = 4096
 
 
 class _Send:
-    def __init__(self, job: SendJob, deadline: float) -> None:
+    def __init__(self, job: SendJob, deadline: float, after: Fence | None) -> None:
         self.job = job
         self.deadline = deadline
+        self.after = after    # on a GPU: the compute stream's work that wrote the KV
         self.busy = False
 
 
@@ -97,9 +99,10 @@ class PDWorker:
         cfg.connect_timeout_s = s.connect_timeout_s
         self._engine = TransferEngine(s.local_hostname, s.metadata_server, config=cfg)
         try:
-            for address, nbytes in self._layout.regions:
+            for address, nbytes, location in self._layout.regions:
                 # only a decode's KV is written by peers; a prefill's is a local source
-                self._engine.register_address(address, nbytes, private=not self._consumer)
+                self._engine.register_address(address, nbytes, location,
+                                              private=not self._consumer)
             if self._producer:
                 port = s.side_channel_port + self._rank if s.side_channel_port else 0
                 self._server = SideChannelServer(s.local_hostname, port, self._on_pull,
@@ -118,16 +121,21 @@ class PDWorker:
 
     # -- each step ------------------------------------------------------------------------
     def start_load_kv(self, meta: PDMetadata) -> None:
+        devices = self._layout.cuda_devices if self._layout is not None else []
         if meta.sends or meta.aborted:
             deadline = time.monotonic() + self._settings.abort_timeout_s
+            # the prefill that wrote these blocks may still run on the GPU: one fence
+            after = fence(devices) if meta.sends else None
             with self._cond:
                 for job in meta.sends:
-                    self._sends[job.transfer_id] = _Send(job, deadline)
+                    self._sends[job.transfer_id] = _Send(job, deadline, after)
                 for tid in meta.aborted:
                     self._end(tid, "was aborted on the prefill")
                 self._cond.notify_all()
+        # blocks given to these requests may still be read by kernels of earlier steps
+        after = fence(devices) if meta.recvs else None
         for job in meta.recvs:
-            self._puller.submit(self._pull, job)
+            self._puller.submit(self._pull, job, after)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None, set[str]]:
         """(requests done sending, done receiving, of those the failed receives)."""
@@ -154,6 +162,8 @@ class PDWorker:
     def _drop(self, tid: str, reason: str) -> None:
         """Let a transfer's blocks go (under the lock)."""
         send = self._sends.pop(tid)
+        if send.after is not None and not any(s.after is send.after for s in self._sends.values()):
+            send.after.close()
         self._sent.add(send.job.req_id)
         self._end(tid, reason)
 
@@ -189,14 +199,14 @@ class PDWorker:
         try:
             if not pull.blocks:
                 return reply(True)
-            result = self._write(send.job, pull)
+            result = self._write(send.job, pull, send.after)
             outcome = "already written" if result["ok"] else f"failed: {result['error']}"
             return result
         finally:
             with self._cond:
                 self._drop(tid, outcome)
 
-    def _write(self, job: SendJob, pull: Pull) -> dict[str, Any]:
+    def _write(self, job: SendJob, pull: Pull, after: Fence | None) -> dict[str, Any]:
         layout, engine = self._layout, self._engine
         if layout is None or engine is None:
             return reply(False, "the prefill worker has no KV cache registered")
@@ -216,6 +226,8 @@ class PDWorker:
         nbytes = sum(n for _, _, n in items)
         t0 = time.perf_counter()
         try:
+            if after is not None:
+                after.wait()
             batch = engine.submit(pull.segment, [TransferRequest(OpCode.WRITE, *it)
                                                  for it in items], self._transport)
             if not batch.wait_done(self._settings.transfer_timeout_s):
@@ -238,7 +250,7 @@ class PDWorker:
         return reply(True, nbytes=nbytes)
 
     # -- decode: asking for blocks ----------------------------------------------------------
-    def _pull(self, job: RecvJob) -> None:
+    def _pull(self, job: RecvJob, after: Fence | None) -> None:
         s = self._settings
         if self._rank >= len(job.ports):
             return   # a release to a prefill of fewer ranks (block pulls need equal TP)
@@ -253,6 +265,8 @@ class PDWorker:
             return
         t0 = time.perf_counter()
         try:
+            if after is not None:
+                after.wait()
             ok, error, nbytes = self._ask_write(job, pull, port)
         except Exception as exc:   # whatever happens, the request must not wait forever
             log.exception("%s: pull of transfer %s failed unexpectedly", self._who,

@@ -38,6 +38,7 @@ from mooncake_plugins.errors import MooncakeError, ObjectAlreadyExists
 from mooncake_plugins.store.client import Located, ReplicateConfig, StoreClient
 
 from .config import StoreSettings
+from .cuda_fence import Fence, fence
 from .keys import BlockKeys
 from .kv_layout import KVLayout
 from .stats import TransferStats
@@ -180,8 +181,8 @@ class StoreWorker:
     def _on_connect(self, client: StoreClient) -> None:
         if self._layout is None:
             raise RuntimeError("the KV cache must be registered before the store is used")
-        for address, nbytes in self._layout.regions:
-            client.register_buffer(address, nbytes)
+        for address, nbytes, location in self._layout.regions:
+            client.register_buffer(address, nbytes, location)
 
     def _client(self) -> StoreClient | None:
         return self._link.get() if self._layout is not None else None
@@ -224,22 +225,27 @@ class StoreWorker:
                                          f"{layout.block_nbytes}")
             else:
                 found.append((j, block))
+        # on a GPU: the blocks may still be read by kernels queued before this step
+        after = fence(layout.cuda_devices) if found else None
         if self._layerwise:
             layers = {}
             for layer, name in enumerate(layout.layer_names):
                 reads = [(j, layer * layout.layer_nbytes, layout.layer_pieces(block, layer))
                          for j, block in found]
-                layers[name] = self._loader.submit(self._read, client, located, reads)
+                layers[name] = self._loader.submit(self._read, client, located, reads, after)
         else:
             whole = self._loader.submit(self._read, client, located,
-                                        [(j, 0, layout.block_pieces(block)) for j, block in found])
+                                        [(j, 0, layout.block_pieces(block)) for j, block in found],
+                                        after)
             layers = dict.fromkeys(layout.layer_names, whole)
         self._loads = _StepLoads(t0, [b for _, b in found], layers, failed)
 
     @staticmethod
     def _read(client: StoreClient, located: Located,
-              reads: list[tuple[int, int, list[tuple[int, int]]]]) -> _Read:
+              reads: list[tuple[int, int, list[tuple[int, int]]]], after: Fence | None) -> _Read:
         try:
+            if after is not None:
+                after.wait()
             results: list = client.batch_get_ranges_into(located, reads)
         except MooncakeError as exc:
             results = [exc] * len(reads)
@@ -292,11 +298,13 @@ class StoreWorker:
         """Hand this step's saves to the background saver (the KV is complete now)."""
         if not meta.saves:
             return
-        future = self._saver.submit(self._save, list(meta.saves))
+        # on a GPU: the forward pass that wrote this KV may still be running
+        after = fence(self._layout.cuda_devices) if self._layout is not None else None
+        future = self._saver.submit(self._save, list(meta.saves), after)
         for job in meta.saves:
             self._saves.setdefault(job.req_id, []).append(future)
 
-    def _save(self, jobs: list[BlockJob]) -> None:
+    def _save(self, jobs: list[BlockJob], after: Fence | None) -> None:
         client = self._client()
         layout = self._layout
         n = sum(len(j.block_ids) for j in jobs)
@@ -307,6 +315,8 @@ class StoreWorker:
         t0 = time.perf_counter()
         errors: list = []
         try:
+            if after is not None:
+                after.wait()
             for replace in (False, True):   # replacing saves overwrite what is stored
                 part = [j for j in jobs if j.replace == replace]
                 if part:

@@ -444,9 +444,10 @@ class StoreClient(DerivedForms):
             log.warning("could not re-register with the store master: %s", exc)
 
     # -- buffers ----------------------------------------------------------------------
-    def register_buffer(self, address: int, nbytes: int) -> None:
-        """Let ``put_from``/``get_into`` use ``[address, address+nbytes)`` (zero-copy)."""
-        self.engine.register_address(address, nbytes, private=True)
+    def register_buffer(self, address: int, nbytes: int, location: str = "*") -> None:
+        """Let ``put_from``/``get_into`` use ``[address, address+nbytes)`` (zero-copy).
+        ``location``: as the engine's ``register_address`` (``"*"``: found from the pointer)."""
+        self.engine.register_address(address, nbytes, location, private=True)
 
     def unregister_buffer(self, address: int) -> None:
         self.engine.unregister(address)

@@ -503,9 +503,14 @@ class Event(_Owned):
         self.handle = self._drv.event_create(device, timing)
         self._closed = False
 
-    def record(self, stream: Stream) -> "Event":
-        """Mark the work queued on ``stream`` so far; returns self."""
-        self._drv.event_record(self.handle, stream.handle, self.device)
+    def record(self, stream: "Stream | int") -> "Event":
+        """Mark the work queued on ``stream`` so far; returns self. ``stream`` is one of
+        ours or a framework's raw ``CUstream`` handle (torch: ``Stream.cuda_stream``; 0 is
+        the legacy default stream)."""
+        handle = stream.handle if isinstance(stream, Stream) else stream
+        if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+            raise InvalidArgument(f"not a CUDA stream: {stream!r}")
+        self._drv.event_record(self.handle, handle, self.device)
         return self
 
     def synchronize(self) -> None:

@@ -19,7 +19,7 @@ RESULTS="${OUT:-$ROOT/tests/gpu/results}"
 mkdir -p "$RESULTS"
 JSON="$RESULTS/gpu_result.json"
 LOG="$RESULTS/pytest.log"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT:$ROOT/integrations${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 started=$(date +%s)
 

@@ -381,3 +381,17 @@ def test_region_device_flag_follows_the_location() -> None:
         table.acquire_many([(0x1000, 16), (0x10000, 16)], remote=True)
     assert table.acquire(0x1000, 16, remote=True) is host
     table.release(host)
+
+
+def test_an_event_records_on_our_stream_or_a_frameworks_raw_handle(double, monkeypatch) -> None:
+    recorded = []
+    monkeypatch.setattr(double, "event_record",
+                        lambda event, stream, device: recorded.append((stream, device)))
+    with cuda.Stream(0) as ours, cuda.Event(1) as event:
+        event.record(ours)
+        event.record(0x7F00)      # torch: torch.cuda.current_stream().cuda_stream
+        event.record(0)           # the legacy default stream
+        for bad in ("0x7f00", -1, None, True):
+            with pytest.raises(InvalidArgument, match="not a CUDA stream"):
+                event.record(bad)
+    assert recorded == [(ours.handle, 1), (0x7F00, 1), (0, 1)]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from helpers import require_module
 
+from cuda_double import double  # noqa: F401  (the fixture)
+
 from mooncake_vllm.config import StoreSettings, from_extra_config
 
 torch = require_module("torch", "the KV layout works on torch tensors")
@@ -62,3 +64,31 @@ def test_layout_rejects_what_it_cannot_address():
         KVLayout({"a": torch.zeros(8, 4), "b": torch.zeros(8, 5)}, num_blocks=8)
     with pytest.raises(IndexError):
         KVLayout({"a": torch.zeros(8, 4)}, num_blocks=8).block_pieces(8)
+
+
+def test_layout_over_gpu_memory_registers_cuda_regions(double):
+    """Tensors over GPU memory (the CUDA TEST DOUBLE's: host memory it calls device
+    memory) are registered as cuda:N, found from the pointer."""
+    import ctypes
+
+    nbytes = 2 * 8 * 4 * 4
+    raw = (ctypes.c_char * nbytes).from_address(double.alloc(nbytes, device=1))
+    t = torch.frombuffer(raw, dtype=torch.float32).view(2, 8, 4, 1, 1)
+    layout = KVLayout({"l": t}, num_blocks=8)
+    assert layout.regions == [(t.data_ptr(), nbytes, "cuda:1")]
+    assert layout.cuda_devices == [1] and "in cuda:1" in layout.describe()
+    assert KVLayout({"l": torch.zeros(8, 4)}, num_blocks=8).cuda_devices == []
+
+
+def test_layout_refuses_kv_no_transport_moves(monkeypatch):
+    with pytest.raises(ValueError, match="layer l: KV cache on meta; the transfer engine "
+                                         "moves host .cpu. and CUDA memory only"):
+        KVLayout({"l": torch.zeros(8, 4, device="meta")}, num_blocks=8)
+    from mooncake_plugins.transfer import cuda
+    from mooncake_vllm import kv_layout
+
+    monkeypatch.setattr(cuda, "available", lambda: False)
+    monkeypatch.setattr(cuda, "why_unavailable", lambda: "no CUDA driver (test)")
+    with pytest.raises(ValueError, match=r"KV cache memory 0x1000\+64 \(cuda:0\): moving it "
+                                         r"needs CUDA, and no CUDA driver \(test\)"):
+        kv_layout._resolve(0x1000, 64, "cuda:0")

@@ -50,7 +50,8 @@ class MiniEngine:
 
     def __init__(self, model_dir: str, extra: dict[str, Any], *, num_blocks: int = 64,
                  batch_tokens: int = 64, role: str = "kv_both",
-                 policy: str = "recompute", connector: str = CONNECTOR) -> None:
+                 policy: str = "recompute", connector: str = CONNECTOR,
+                 kv: dict[str, torch.Tensor] | None = None) -> None:
         load_general_plugins()
         self.config = VllmConfig(
             model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"),
@@ -75,8 +76,10 @@ class MiniEngine:
         self.connector = self.scheduler.connector
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER,
                                                           kv_config)
-        # CPU attention layout: [num_blocks, kv_heads, block_size, 2 * head_size]
-        self.kv = {name: torch.zeros(num_blocks, 1, BLOCK, 2) for name in ("layer.0", "layer.1")}
+        # CPU attention layout: [num_blocks, kv_heads, block_size, 2 * head_size]; or the
+        # caller's, e.g. CUDA flash attention's [2, num_blocks, block_size, kv_heads, head]
+        self.kv = kv or {name: torch.zeros(num_blocks, 1, BLOCK, 2)
+                         for name in ("layer.0", "layer.1")}
         self.worker.register_kv_caches(self.kv)
         self.metas: list[Any] = []
         self.outputs: list[ModelRunnerOutput] = []
@@ -143,7 +146,15 @@ class MiniEngine:
                 tokens = req.all_token_ids
                 end = req.num_computed_tokens   # schedule() already counted this step's tokens
                 for p in range(end - n, end):
-                    t[ids[p // BLOCK], 0, p % BLOCK, :] = slot_value(tokens[p], p, layer)
+                    k, v = self.slots(t, ids[p // BLOCK])
+                    k[p % BLOCK] = v[p % BLOCK] = slot_value(tokens[p], p, layer)
+
+    @staticmethod
+    def slots(t: torch.Tensor, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's K and V values of one layer, one per slot, in either layout."""
+        if t.dim() == 5:    # flash attention: [2, num_blocks, block_size, 1, 1]
+            return t[0, block_id, :, 0, 0], t[1, block_id, :, 0, 0]
+        return t[block_id, 0, :, 0], t[block_id, 0, :, 1]
 
     def run(self, timeout_s: float = 30.0) -> None:
         """Step until no request is left (finished requests' blocks freed too); a step
@@ -163,7 +174,7 @@ class MiniEngine:
         def holds(layer: int, t: torch.Tensor) -> bool:
             want = torch.tensor([slot_value(tok, first_pos + i, layer)
                                  for i, tok in enumerate(tokens)])
-            k, v = t[block_id, 0, :, 0], t[block_id, 0, :, 1]
+            k, v = self.slots(t, block_id)
             return torch.equal(k, want) and torch.equal(v, want)
 
         return all(holds(layer, t) for layer, (name, t) in enumerate(self.kv.items())
