@@ -31,18 +31,20 @@ from .config import ConnectorSettings, from_extra_config
 log = logging.getLogger(__name__)
 
 
-def _pool_buffers(local_cpu_backend: LocalCPUBackend) -> list[tuple[int, int]]:
-    """``(address, nbytes)`` of the CPU memory LMCache allocates its memory objects from
-    (the pinned pool; views of one buffer count once)."""
+def _pool_buffers(local_cpu_backend: LocalCPUBackend) -> list[tuple[int, int, str]]:
+    """``(address, nbytes, location)`` of the memory LMCache allocates its memory objects
+    from (the pinned pool, or a pool in GPU memory; views of one buffer count once)."""
     allocator = getattr(local_cpu_backend, "memory_allocator", None)
-    found: list[tuple[int, int]] = []
+    found: list[tuple[int, int, str]] = []
     for owner in (getattr(allocator, "pin_allocator", None), allocator):
         buf = getattr(owner, "buffer", None)
-        if buf is None or getattr(buf, "device", None) is None or buf.device.type != "cpu":
+        device = getattr(buf, "device", None)
+        if device is None or device.type not in ("cpu", "cuda"):
             continue
+        location = "*" if device.type == "cpu" else f"cuda:{device.index or 0}"
         address, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
-        if all(address + nbytes <= a or a + n <= address for a, n in found):
-            found.append((address, nbytes))
+        if all(address + nbytes <= a or a + n <= address for a, n, _ in found):
+            found.append((address, nbytes, location))
     return found
 
 
@@ -100,8 +102,8 @@ class MooncakePluginsConnector(RemoteConnector):
                              failover_timeout_s=s.rpc_timeout_s)
         self.io = ChunkIO(client, s.replica_num)
         try:
-            for address, nbytes in _pool_buffers(local_cpu_backend):  # none: stand-in
-                self.io.register(address, nbytes)
+            for address, nbytes, location in _pool_buffers(local_cpu_backend):  # none: stand-in
+                self.io.register(address, nbytes, location)
         except BaseException:
             self.io.unregister_all()
             client.close()
