@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import (BufferTooSmall, InvalidParams, MooncakeError, NotSupported, ObjectAlreadyExists,
                       to_code)
 from ..store import tensor_parallel as P, tensors as T
-from ..transfer import memory
+from ..transfer import cuda, memory
 
 log = logging.getLogger("mooncake_plugins.compat.store")
 
@@ -161,16 +161,55 @@ class _TensorMethods:
             log.error("batch_get_tensor_into failed: %s", exc)
             return [None] * len(keys)
         return [_failed(k, n) if isinstance(n, Exception) else
-                _decoded(k, lambda p=p, n=n: T.decode(memory.view_of(None, p, n), copy=False))
+                _decoded(k, lambda p=p, n=n: _decode_in_place(p, n))
                 for k, p, n in zip(keys, buffer_ptrs, got)]
 
     def get_tensor_into_cuda(self, key: str, tensor: Any) -> int:
+        """Read the stored tensor's data (not its header) into ``tensor``, CPU or CUDA,
+        whose memory the caller registered; the bytes read or a negative code."""
         return self.batch_get_tensor_into_cuda([key], [tensor])[0]
 
     def batch_get_tensor_into_cuda(self, keys: list[str], tensors_list: list) -> list[int]:
-        log.error("batch_get_tensor_into_cuda: reading into CUDA tensors needs CUDA IPC, "
-                  "which this CPU-only build does not have; use get_tensor_into")
-        return [_INVALID] * len(keys)
+        """As :meth:`get_tensor_into_cuda` per key. One lookup takes a read lease on every
+        object; headers and data are read from the replicas it found, so a concurrent
+        upsert does not mix two versions, and a read that outlives the lease is
+        LEASE_EXPIRED."""
+        if len(keys) != len(tensors_list):
+            log.error("batch_get_tensor_into_cuda: %d keys, %d tensors", len(keys),
+                      len(tensors_list))
+            return [_INVALID] * len(keys)
+        try:
+            located = self.client.locate(keys)
+            heads = self.client.batch_get_ranges(
+                located, [(i, 0, T.HEADER_SIZE) for i in range(len(keys))])
+        except MooncakeError as exc:
+            log.error("batch_get_tensor_into_cuda failed: %s", exc)
+            return [to_code(exc)] * len(keys)
+        codes: list[int] = [0] * len(keys)
+        reads, order = [], []
+        for i, (key, head, dest) in enumerate(zip(keys, heads, tensors_list)):
+            try:
+                if isinstance(head, Exception):
+                    raise head
+                h = T.parse_header(head, located.found[i][0])
+                room = dest.numel() * dest.element_size()
+                if not dest.is_contiguous() or room < h.data_bytes:
+                    raise BufferTooSmall(f"a contiguous tensor of {h.data_bytes} bytes is "
+                                         f"needed, got {room} bytes")
+                reads.append((i, T.HEADER_SIZE, [(dest.data_ptr(), h.data_bytes)]))
+                order.append(i)
+            except MooncakeError as exc:
+                log.error("get_tensor_into_cuda %r: %s", key, exc)
+                codes[i] = to_code(exc)
+        try:
+            got = self.client.batch_get_ranges_into(located, reads) if reads else []
+        except MooncakeError as exc:
+            got = [exc] * len(reads)
+        for i, r in zip(order, got):
+            if isinstance(r, Exception):
+                log.error("get_tensor_into_cuda %r: %s", keys[i], r)
+            codes[i] = to_code(r) if isinstance(r, Exception) else r
+        return codes
 
     # -- tensor parallel (legacy layout: one object per rank, "<key>_tp_<rank>") ------------
     def _put_tp(self, what: str, keys: Sequence[str], tensors: Sequence[Any], config: Any,
@@ -606,6 +645,14 @@ def _header_at(ptr: int, size: int) -> T.TensorHeader:
     if size < T.HEADER_SIZE:
         raise InvalidParams(f"{size} bytes cannot hold a tensor header")
     return T.parse_header(memory.read_bytes(ptr, T.HEADER_SIZE), size)
+
+
+def _decode_in_place(address: int, nbytes: int) -> Any:
+    """The tensor read into registered memory, over that memory: a CUDA tensor for GPU
+    memory (never a CPU view of it), else a CPU one."""
+    if memory.kind_of(address, nbytes) == "cuda":
+        return T.decode_device(address, nbytes, cuda.pointer_info(address).device)
+    return T.decode(memory.view_of(None, address, nbytes), copy=False)
 
 
 def _decoded(key: str, fn: Callable[[], Any]) -> Any:

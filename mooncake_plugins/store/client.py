@@ -688,6 +688,28 @@ class StoreClient(DerivedForms):
         self._read(located, todo, out)
         return out
 
+    def batch_get_ranges(self, located: Located, ranges: Sequence[tuple[int, int, int]]
+                         ) -> list[bytes | StoreError]:
+        """Byte ranges ``(object index in located, offset, nbytes)`` of located objects,
+        as bytes (read into memory of the client's own); per range the bytes or an error,
+        as :meth:`batch_get_ranges_into`."""
+        buf = bytearray(max(1, sum(n for _, _, n in ranges)))
+        region = self.engine.register(buf, private=True)
+        try:
+            reads, at = [], region.address
+            for i, offset, nbytes in ranges:
+                reads.append((i, offset, [(at, nbytes)]))
+                at += nbytes
+            got = self.batch_get_ranges_into(located, reads)
+        finally:
+            self.engine.unregister(region)
+        out: list[bytes | StoreError] = []
+        at = 0
+        for (_, _, nbytes), r in zip(ranges, got):
+            out.append(r if isinstance(r, Exception) else bytes(buf[at:at + nbytes]))
+            at += nbytes
+        return out
+
     def _read(self, located: Located, todo: list[tuple[int, int, int, int, list[tuple[int, int]]]],
               out: list[Any]) -> None:
         """Run ``(out index, object index, offset, nbytes, local pieces)`` reads: each

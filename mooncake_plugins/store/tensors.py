@@ -281,6 +281,40 @@ def decode(buf: Any, total: int | None = None, copy: bool = True) -> Any:
     return t.frombuffer(data, dtype=t.uint8).view(dtype).reshape(h.local_shape)
 
 
+class _CudaBytes:
+    """``nbytes`` of GPU memory at ``address``, as CUDA's array interface describes it (what
+    ``torch.as_tensor`` wraps without a copy)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (address, False), "strides": None,
+                                         "version": 3}
+
+
+def decode_device(address: int, total: int, device: int) -> Any:
+    """The tensor in a ``[header | data]`` object held in GPU memory at ``address``: a CUDA
+    tensor over that memory (no copy; the header is read through a CUDA copy)."""
+    from ..transfer import memory
+
+    h = parse_header(memory.read_bytes(address, HEADER_SIZE), total)
+    t = torch()
+    dtype = torch_dtype(h.dtype)
+    if h.data_bytes == 0:
+        return t.empty(h.local_shape, dtype=dtype, device=f"cuda:{device}")
+    raw = cuda_view(address + HEADER_SIZE, h.data_bytes, device)
+    return raw.view(dtype).reshape(h.local_shape)
+
+
+def cuda_view(address: int, nbytes: int, device: int) -> Any:
+    """A uint8 CUDA tensor over ``nbytes`` of GPU memory at ``address`` on ``device``.
+    Raises NotSupported where torch cannot make one (a build without CUDA)."""
+    t = torch()
+    try:
+        return t.as_tensor(_CudaBytes(address, nbytes), device=f"cuda:{device}")
+    except (RuntimeError, AssertionError) as exc:   # torch's errors for a CPU-only build
+        raise NotSupported(f"torch cannot view GPU memory here: {exc}") from None
+
+
 # -- sharding -------------------------------------------------------------------------------
 def shard(tensor: Any, rank: int, count: int, split_dim: int) -> Any:
     """Slice ``rank`` of ``count`` equal slices of ``tensor`` along ``split_dim`` (a view).

@@ -15,6 +15,7 @@ torch = require_module("torch", "torch is not installed (pip install torch==2.13
                                 "that .ci/run installs)")
 
 from mooncake_plugins.compat.store import MooncakeDistributedStore, ReplicateConfig  # noqa: E402
+from mooncake_plugins.errors import BufferTooSmall  # noqa: E402
 from mooncake_plugins.store import tensors as T  # noqa: E402
 from mooncake_plugins.store.master import MasterConfig  # noqa: E402
 from mooncake_plugins.store.server import MasterServer, ServerOptions  # noqa: E402
@@ -203,10 +204,81 @@ def test_batch_into_and_from(store):
         assert store.batch_put_tensor_from([], [], []) == []
 
 
-def test_cuda_reads_are_refused_with_the_originals_code(store):
-    assert store.put_tensor("a", torch.ones(2)) == 0
-    assert store.get_tensor_into_cuda("a", torch.empty(2)) == INVALID_PARAMS
-    assert store.batch_get_tensor_into_cuda(["a", "b"], [torch.empty(2)] * 2) == [INVALID_PARAMS] * 2
+class AfterLookup:
+    """A destination tensor that runs ``callback`` when the store inspects it, which it
+    does after its lookup and before reading the data (as upstream's regression tests
+    interpose an upsert or a delay there)."""
+
+    def __init__(self, tensor, callback) -> None:
+        self.tensor, self.callback = tensor, callback
+
+    def is_contiguous(self) -> bool:
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+        return self.tensor.is_contiguous()
+
+    def __getattr__(self, name):
+        return getattr(self.tensor, name)
+
+
+def test_get_tensor_into_cuda_reads_the_data_into_a_registered_tensor(store):
+    original = torch.arange(8, dtype=torch.float32)
+    size = nbytes(original)
+    assert store.put_tensor("t", original) == 0
+    dest = torch.full_like(original, -1)
+    assert store.register_buffer(dest.data_ptr(), size) == 0
+    upserts = []
+    proxy = AfterLookup(dest, lambda: upserts.append(store.upsert_tensor("t", original + 100)))
+    assert store.get_tensor_into_cuda("t", proxy) == size
+    assert upserts == [0] and torch.equal(dest, original), "the version the lookup found"
+    assert torch.equal(store.get_tensor("t"), original + 100)
+    dest.fill_(-1)
+    assert store.batch_get_tensor_into_cuda(["t-missing", "t"], [dest, dest]) == [-704, size]
+    assert torch.equal(dest, original + 100)
+    small = torch.empty(2)
+    assert store.get_tensor_into_cuda("t", small) == BufferTooSmall.code
+    assert store.get_tensor_into_cuda("t", torch.empty(8).view(2, 4).t()) == BufferTooSmall.code
+    assert store.batch_get_tensor_into_cuda(["t"], []) == [INVALID_PARAMS]
+    assert store.unregister_buffer(dest.data_ptr()) == 0
+    assert store.get_tensor_into_cuda("t", dest) < 0, "unregistered memory is refused"
+
+
+def test_get_tensor_into_cuda_past_the_lease_is_lease_expired(store):
+    t = torch.arange(8, dtype=torch.float32)
+    assert store.put_tensor("slow", t) == 0
+    dest = torch.empty_like(t)
+    assert store.register_buffer(dest.data_ptr(), nbytes(t)) == 0
+    proxy = AfterLookup(dest, lambda: __import__("time").sleep(0.1))   # the lease is 50 ms
+    assert store.get_tensor_into_cuda("slow", proxy) == -707
+    assert store.unregister_buffer(dest.data_ptr()) == 0
+
+
+def test_tensor_reads_into_gpu_memory(store, double, monkeypatch):
+    """Into GPU memory (the CUDA TEST DOUBLE's): the data lands through CUDA copies, and
+    ``get_tensor_into`` returns a tensor over the device buffer without a CPU view of it
+    (torch's CUDA view is stood in for by a CPU view of the double's memory)."""
+    t = torch.arange(16, dtype=torch.int32).view(4, 4)
+    assert store.put_tensor("g", t) == 0
+    size = 304 + nbytes(t)
+    dev = double.alloc(size)
+    assert store.register_buffer(dev, size) == 0
+    views = []
+
+    def cuda_view(address, n, device):
+        views.append((address, n, device))
+        return torch.frombuffer((ctypes.c_char * n).from_address(address), dtype=torch.uint8)
+
+    monkeypatch.setattr(T, "cuda_view", cuda_view)
+    double.copy_log.clear()
+    got = store.get_tensor_into("g", dev, size)
+    assert same(got, t) and views == [(dev + 304, nbytes(t), 0)]
+    assert double.copy_log, "the object reached the device buffer through CUDA copies"
+    dest = torch.frombuffer((ctypes.c_char * nbytes(t)).from_address(dev), dtype=torch.int32)
+    double.copy_log.clear()
+    assert store.get_tensor_into_cuda("g", dest) == nbytes(t)
+    assert torch.equal(dest.view(4, 4), t) and double.copy_log
+    assert store.unregister_buffer(dev) == 0
 
 
 # -- tensor parallel --------------------------------------------------------------------------

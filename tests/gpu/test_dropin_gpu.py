@@ -88,3 +88,33 @@ def test_store_connector_calls_on_gpu_kv() -> None:
         server.close()
         for buf in layers:
             buf.close()
+
+
+def test_tensor_reads_into_gpu_memory() -> None:
+    """LMCache's and SGLang's tensor calls with CUDA tensors: ``put_tensor`` of a CUDA
+    tensor, ``get_tensor_into`` a registered device buffer (a CUDA tensor over it comes
+    back), ``get_tensor_into_cuda`` straight into a registered CUDA tensor."""
+    torch = pytest.importorskip("torch", reason="tensor calls need torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch here has no CUDA")
+    server = MasterServer(MasterConfig(), ServerOptions(rpc_port=0))
+    server.start()
+    store = MooncakeDistributedStore()
+    try:
+        assert store.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 1 << 20, "tcp", "",
+                           server.address) == 0
+        t = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+        nbytes = t.numel() * t.element_size()
+        assert store.put_tensor("kv", t) == 0
+        buf = torch.empty(304 + nbytes, dtype=torch.uint8, device="cuda")
+        assert store.register_buffer(buf.data_ptr(), buf.numel()) == 0
+        got = store.get_tensor_into("kv", buf.data_ptr(), buf.numel())
+        assert got.is_cuda and got.data_ptr() == buf.data_ptr() + 304 and torch.equal(got, t)
+        dest = torch.empty_like(t)
+        assert store.register_buffer(dest.data_ptr(), nbytes) == 0
+        assert store.get_tensor_into_cuda("kv", dest) == nbytes and torch.equal(dest, t)
+        assert store.unregister_buffer(dest.data_ptr()) == 0
+        assert store.unregister_buffer(buf.data_ptr()) == 0
+    finally:
+        store.close()
+        server.close()
