@@ -87,13 +87,16 @@ class PDWorker:
         self._received: set[str] = set()                         # req ids: pulls ended
         self._failed: set[str] = set()                           # req ids: pulls that failed
         self._stats = TransferStats()
-        # tcp: shared memory to a peer on this host, tcp to others (as the store does)
-        self._transport = "shm" if settings.protocol == "shm" else None
+        # tcp: shared memory to a peer on this host, tcp to others (as the store does);
+        # shm: shared memory only, for a host KV cache (a GPU one is the engine's choice)
+        self._transport: str | None = None
 
     # -- setup ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         s = self._settings
         self._layout = KVLayout(kv_caches, self._num_blocks)
+        if s.protocol == "shm" and not self._layout.cuda_devices:
+            self._transport = "shm"
         cfg = EngineConfig.from_env()
         cfg.transfer_timeout_s = s.transfer_timeout_s
         cfg.connect_timeout_s = s.connect_timeout_s

@@ -110,10 +110,15 @@ def test_store_connector_saves_and_loads_a_cuda_kv_cache(store, engines, double,
     b.run()
 
 
-def test_pd_pair_writes_cuda_kv_between_engines(tiny_llama_config, double, monkeypatch):
+@pytest.mark.parametrize("protocol", ["tcp", "shm"])   # shm: the engine still picks cuda_ipc
+def test_pd_pair_writes_cuda_kv_between_engines(tiny_llama_config, double, monkeypatch,
+                                                protocol):
     log = StreamLog(double, monkeypatch)
-    p = PDEngine(tiny_llama_config, "kv_producer", kv=flash_kv(double, 16), num_blocks=16)
-    d = PDEngine(tiny_llama_config, "kv_consumer", kv=flash_kv(double, 16), num_blocks=16)
+    extra = {"protocol": protocol}
+    p = PDEngine(tiny_llama_config, "kv_producer", extra, kv=flash_kv(double, 16),
+                 num_blocks=16)
+    d = PDEngine(tiny_llama_config, "kv_consumer", extra, kv=flash_kv(double, 16),
+                 num_blocks=16)
     try:
         p.add_pd("p", PROMPT, {"do_remote_decode": True, "transfer_id": "t1"}, max_tokens=1)
         while "p" not in p.answers:
