@@ -14,12 +14,14 @@ import logging
 import mmap
 import os
 import random
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 from ..config import parse_size
 from ..errors import InvalidParams, MooncakeError, NotSupported, ObjectAlreadyExists
 from ..store.client import ReplicateConfig as _Config, StoreClient
 from ..store.replicate_config import ObjectDataType, ReplicateConfig, SoftPinAction
+from ..transfer import cuda, memory
 from ..transfer.memory import address_of
 from .engine import TransferEngine as CompatEngine
 from .store_dummy import _DummyMethods
@@ -366,10 +368,29 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
 
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         try:
-            return self._codes(self.client.batch_get_into(keys, buffer_ptrs, sizes))
+            with self._gpu_destinations(buffer_ptrs, sizes):
+                return self._codes(self.client.batch_get_into(keys, buffer_ptrs, sizes))
         except MooncakeError as exc:
             log.error("batch_get_into failed: %s", exc)
             return [_code(exc)] * len(keys)
+
+    @contextmanager
+    def _gpu_destinations(self, ptrs: Sequence[int], sizes: Sequence[int]) -> Iterator[None]:
+        """GPU memory the caller did not register, registered for the call: the original
+        reads into any CUDA destination (its tests do). Host memory must be registered."""
+        engine = getattr(self.client, "engine", None)
+        added: list[int] = []
+        try:
+            if engine is not None and cuda.driver_in_process():
+                for p, n in zip(ptrs, sizes):
+                    if n > 0 and p not in added and not engine.is_registered(p, n) \
+                            and memory.kind_of(p, n) == "cuda":
+                        engine.register_address(p, n, "*", private=True)
+                        added.append(p)
+            yield
+        finally:
+            for p in added:
+                engine.unregister(p)
 
     def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                      all_sizes: list[list[int]],

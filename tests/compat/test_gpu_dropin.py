@@ -107,3 +107,17 @@ def test_store_connector_calls_on_gpu_kv(store, double):
             assert double.view(base + (10 + b) * BLOCK, BLOCK) == bytes([i + 1]) * BLOCK
         assert double.view(base, BLOCK) == bytes(BLOCK), "nothing written elsewhere"
         assert store.unregister_buffer(base) == 0
+
+
+def test_get_into_an_unregistered_gpu_destination(store, double):
+    """Upstream's CUDA case: ``get_into`` a CUDA tensor nobody registered works (it is
+    registered for the call); unregistered host memory is still refused."""
+    raw = bytes(range(32))
+    assert store.put("raw", raw) == 0
+    dst = double.alloc(64)
+    double.copy_log.clear()
+    assert store.get_into("raw", dst, len(raw)) == len(raw)
+    assert double.view(dst, len(raw)) == raw and double.copy_log
+    assert not store.client.engine.is_registered(dst, len(raw)), "registered for the call only"
+    host = ctypes.create_string_buffer(64)
+    assert store.get_into("raw", ctypes.addressof(host), len(raw)) < 0

@@ -115,6 +115,20 @@ def test_tensor_reads_into_gpu_memory() -> None:
         assert store.get_tensor_into_cuda("kv", dest) == nbytes and torch.equal(dest, t)
         assert store.unregister_buffer(dest.data_ptr()) == 0
         assert store.unregister_buffer(buf.data_ptr()) == 0
+        # upstream's CUDA case: CUDA sources for the tensor puts, an unregistered CUDA
+        # destination for get_into
+        ts = [torch.arange(16, dtype=torch.float32, device="cuda").reshape(4, 4),
+              torch.arange(24, dtype=torch.int64, device="cuda").reshape(2, 3, 4)]
+        assert store.upsert_tensor("u", ts[0]) == 0
+        assert store.batch_put_tensor(["b0", "b1"], ts) == [0, 0]
+        assert store.batch_upsert_tensor(["b0", "b1"], ts[::-1]) == [0, 0]
+        assert torch.equal(store.get_tensor("u"), ts[0].cpu())
+        assert torch.equal(store.get_tensor("b0"), ts[1].cpu())
+        raw = bytes(range(32))
+        assert store.put("raw", raw) == 0
+        dst = torch.empty(len(raw), dtype=torch.uint8, device="cuda")
+        assert store.get_into("raw", dst.data_ptr(), len(raw)) == len(raw)
+        assert dst.cpu().numpy().tobytes() == raw
     finally:
         store.close()
         server.close()
