@@ -69,9 +69,18 @@ def transports() -> list[tuple[str, str]]:
         else:
             rows.append((name, f"available ({path} data path)"))
     if "rdma" not in transport_names():
-        rows.append(("rdma", "not built (no ibverbs transport yet)"))
+        rows.append(("rdma", f"not built (no ibverbs transport yet); {rdma_nics()}"))
     rows.append(("NIXL backend", nixl_state()))
     return rows
+
+
+def rdma_nics() -> str:
+    """The RDMA NICs with an ACTIVE port and their NUMA nodes, in a few words."""
+    from mooncake_plugins.transfer.nic_topology import NicTopology
+    nics = NicTopology.discover().nics
+    if not nics:
+        return "no RDMA device with an active port in /sys/class/infiniband"
+    return "NICs " + ", ".join(f"{n.name} (NUMA {n.numa_node})" for n in nics)
 
 
 def nixl_state() -> str:

@@ -8,7 +8,6 @@ are logged with their reason, since an int cannot carry it.
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import os
 import threading
@@ -18,9 +17,12 @@ from ..config import EngineConfig
 from ..errors import InvalidArgument, MooncakeError, TransportUnavailable, to_code
 from ..transfer.batch import Batch, OpCode, TransferRequest
 from ..transfer.engine import P2P, ManagedBuffer, TransferEngine as _Engine
-from ..transfer.topology import host_id
+from ..transfer.nic_topology import NicTopology
 
 log = logging.getLogger(__name__)
+
+SYSFS = "/sys"
+"""Where ``get_local_topology`` reads the host's devices (tests point it at a tree)."""
 
 
 class TransferOpcode(enum.IntEnum):
@@ -194,10 +196,11 @@ class TransferEngine:
         return regions[0].address if regions else 0
 
     def get_local_topology(self, device_name: str | None = None) -> str:
-        """JSON of what this engine offers (no RDMA NICs on this build)."""
-        e = self.engine
-        return json.dumps({"host_id": host_id(), "transports": e.config.transports,
-                           "segment": e.segment_name, "rpc_port": e.rpc_port, "rdma_devices": []})
+        """The original's JSON of this host's RDMA NICs per memory location,
+        ``{"cpu:0": [[preferred], [fallback]], "cuda:0": ...}`` (``{}`` without RDMA NICs);
+        ``device_name``: only these devices (comma or space separated)."""
+        devices = [d for d in (device_name or "").replace(",", " ").split() if d]
+        return NicTopology.discover(SYSFS, devices=devices or None).to_json()
 
     # -- transfers -------------------------------------------------------------------
     def _submit(self, target: str, buffers: list[int], peers: list[int], lengths: list[int],
