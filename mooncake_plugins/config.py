@@ -6,6 +6,7 @@ Every knob has a documented default; the engine and CLIs take an explicit
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,10 @@ DEFAULT_TRANSPORTS: tuple[str, ...] = ("cuda_ipc", "shm", "tcp")
 """Transports of an engine not told otherwise. ``cuda_ipc`` among them is used only in a
 process that already loaded a CUDA driver (a framework using the GPU), and is silently off
 elsewhere; named in MC_TRANSPORTS, it loads the driver, with a warning where it cannot."""
+
+
+MAX_TCP_PATHS = 16
+"""Addresses one engine may publish for tcp (a descriptor with more is refused)."""
 
 
 def _int_env(name: str, default: int) -> int:
@@ -120,6 +125,12 @@ class EngineConfig:
         retries: extra attempts of a failed slice on another path (MC_RETRIES).
         inline_nbytes: batches up to this size run in the submitting thread, without a
             worker handoff (MC_INLINE_SIZE); ``submit`` then returns a finished batch.
+        tcp_paths: more addresses of this host on which peers reach its rpc port, one per
+            NIC or network to stripe over (MC_TCP_PATHS, comma separated); the engine
+            listens on each and publishes them, and peers spread one transfer's slices
+            over every address, weighted by what each delivers.
+        path_pause_s: how long a tcp path that failed is left alone before it is tried
+            again (MC_PATH_PAUSE); its slices go to the other paths meanwhile.
     """
 
     slice_nbytes: int = 1 << 20
@@ -130,6 +141,8 @@ class EngineConfig:
     transports: list[str] = field(default_factory=lambda: list(DEFAULT_TRANSPORTS))
     retries: int = 1
     inline_nbytes: int = 256 << 10
+    tcp_paths: list[str] = field(default_factory=list)
+    path_pause_s: float = 5.0
 
     @classmethod
     def from_env(cls) -> "EngineConfig":
@@ -145,6 +158,9 @@ class EngineConfig:
         raw = os.environ.get("MC_TRANSPORTS")
         if raw:
             cfg.transports = [t.strip() for t in raw.split(",") if t.strip()]
+        cfg.tcp_paths = [a.strip() for a in os.environ.get("MC_TCP_PATHS", "").split(",")
+                         if a.strip()]
+        cfg.path_pause_s = _float_env("MC_PATH_PAUSE", cfg.path_pause_s)
         cfg.validate()
         return cfg
 
@@ -160,6 +176,15 @@ class EngineConfig:
             raise ValueError("timeouts must be > 0")
         if self.retries < 0 or self.inline_nbytes < 0:
             raise ValueError("retries and inline_nbytes must be >= 0")
+        if self.path_pause_s < 0:
+            raise ValueError(f"path_pause_s={self.path_pause_s} must be >= 0")
+        if len(self.tcp_paths) > MAX_TCP_PATHS:
+            raise ValueError(f"tcp_paths: at most {MAX_TCP_PATHS} addresses")
+        for address in self.tcp_paths:
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                raise ValueError(f"tcp_paths: {address!r} is not an IP address") from None
         from .transfer.transports.registry import transport_names  # no import cycle at load
         known = transport_names()
         unknown = set(self.transports) - set(known)

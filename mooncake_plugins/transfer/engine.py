@@ -211,6 +211,12 @@ class TransferEngine:
         self._server = TcpServer(bind_host, port, self._regions, self._on_control)
         self.host = bind_host if bind_host != "0.0.0.0" else socket.gethostbyname(socket.gethostname())
         self.rpc_port = self._server.port
+        # tcp multi-path: the same rpc port on each further address of this host
+        self.paths = tuple(a for a in dict.fromkeys(self.config.tcp_paths) if a != self.host)
+        self._servers = [self._server]
+        for address in self.paths if bind_host != "0.0.0.0" else ():
+            self._servers.append(TcpServer(address, self.rpc_port, self._regions,
+                                           self._on_control))
         if segment_name is None:
             segment_name = f"{self.host}:{self.rpc_port}" if self._metadata is None or not host \
                 or port == 0 else local_hostname
@@ -255,8 +261,9 @@ class TransferEngine:
             self._metadata.close()
         if hasattr(self, "rpc_port"):
             publish_local(self.rpc_port, None)
-        if hasattr(self, "_server"):
-            self._server.close()
+        for server in getattr(self, "_servers", [getattr(self, "_server", None)]):
+            if server is not None:
+                server.close()
         if hasattr(self, "_pool"):
             self._pool.shutdown(wait=True)
         for t in getattr(self, "_staged", ()):
@@ -424,7 +431,8 @@ class TransferEngine:
     def descriptor(self) -> SegmentDescriptor:
         """This engine's own descriptor, as peers see it."""
         return SegmentDescriptor(self.segment_name, self.host, self.rpc_port, os.getpid(),
-                                 host_id(), self._regions.epoch, self._epoch.fd, self.regions())
+                                 host_id(), self._regions.epoch, self._epoch.fd, self.regions(),
+                                 self.paths)
 
     def _publish(self) -> None:
         if self._metadata is not None:
@@ -840,8 +848,20 @@ class TransferEngine:
     # -- lifecycle -------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, int]:
-        """Bytes served to peers by the tcp server (in = written to us, out = read from us)."""
-        return {"bytes_in": self._server.bytes_in, "bytes_out": self._server.bytes_out}
+        """Bytes served to peers by the tcp server (in = written to us, out = read from us),
+        on every address it listens on."""
+        return {"bytes_in": sum(s.bytes_in for s in self._servers),
+                "bytes_out": sum(s.bytes_out for s in self._servers)}
+
+    def path_stats(self) -> dict[str, dict[str, Any]]:
+        """Per tcp path (``host:port`` of a peer) used by this engine: bytes moved, the
+        rate it delivered (GB/s, smoothed) and whether it is paused after a failure."""
+        out: dict[str, dict[str, Any]] = {}
+        for t in self._transports:
+            stats = getattr(t, "path_stats", None)
+            if stats is not None:
+                out.update(stats())
+        return out
 
     def _check_open(self) -> None:
         if self._closed:

@@ -10,10 +10,12 @@ Lock order: ``RegionTable._lock`` is a leaf lock; nothing else is taken while it
 from __future__ import annotations
 
 import bisect
+import ipaddress
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import MAX_TCP_PATHS
 from ..errors import AddressError, InvalidArgument, ProtocolError, RegionBusy
 from .cuda import IpcHandle
 
@@ -222,6 +224,8 @@ class SegmentDescriptor:
     epoch: int = 0
     epoch_memfd: int = -1
     regions: list[RegionInfo] = field(default_factory=list)
+    paths: tuple[str, ...] = ()
+    """More addresses of the segment's host serving the same rpc port (tcp multi-path)."""
 
     def __post_init__(self) -> None:
         self.regions.sort(key=lambda r: r.address)
@@ -240,9 +244,12 @@ class SegmentDescriptor:
                            f"by segment {self.name!r}")
 
     def to_wire(self) -> dict:
-        return {"v": 1, "name": self.name, "host": self.host, "port": self.port, "pid": self.pid,
+        wire = {"v": 1, "name": self.name, "host": self.host, "port": self.port, "pid": self.pid,
                 "host_id": self.host_id, "epoch": self.epoch, "epoch_memfd": self.epoch_memfd,
                 "regions": [_region_to_wire(r) for r in self.regions]}
+        if self.paths:
+            wire["paths"] = list(self.paths)
+        return wire
 
     @classmethod
     def from_wire(cls, obj: Any) -> "SegmentDescriptor":
@@ -262,9 +269,23 @@ class SegmentDescriptor:
         if not 0 < port < 65536 or pid <= 0:
             raise ProtocolError(f"segment descriptor has bad port {port} or pid {pid}")
         regions = [_region_from_wire(item) for item in need("regions", list)]
+        paths = tuple(need("paths", list)) if isinstance(obj, dict) and "paths" in obj else ()
+        if len(paths) > MAX_TCP_PATHS or not all(_is_ip(p) for p in paths):
+            raise ProtocolError(f"segment descriptor has bad paths {paths[:MAX_TCP_PATHS + 1]!r}: "
+                                f"at most {MAX_TCP_PATHS} IP addresses")
         return cls(name=need("name", str), host=need("host", str), port=port, pid=pid,
                    host_id=need("host_id", str), epoch=need("epoch", int),
-                   epoch_memfd=need("epoch_memfd", int), regions=regions)
+                   epoch_memfd=need("epoch_memfd", int), regions=regions, paths=paths)
+
+
+def _is_ip(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _region_to_wire(r: RegionInfo) -> list:

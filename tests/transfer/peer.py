@@ -2,7 +2,7 @@
 
 Prints ``READY <json>`` (segment name, rpc port, buffer address and size) once serving,
 then answers one line per command: ``sha`` (sha256 of the buffer), ``stats`` (bytes
-served, JSON), ``fill <seed>``
+served, JSON), ``paths`` (bytes and state per tcp path, JSON), ``fill <seed>``
 (deterministic bytes), ``write <segment> <remote_address> <nbytes>`` and
 ``read <segment> <remote_address> <nbytes>`` (from/into the start of its own buffer),
 ``realloc`` (free the buffer and allocate one of the same size; prints its address),
@@ -55,6 +55,8 @@ def main() -> None:
                 print(hashlib.sha256(view).hexdigest(), flush=True)
             elif cmd[0] == "stats":
                 print(json.dumps(engine.stats), flush=True)
+            elif cmd[0] == "paths":
+                print(json.dumps(engine.path_stats()), flush=True)
             elif cmd[0] == "fill":
                 view[:] = pattern(int(cmd[1]), args.nbytes)
                 print("ok", flush=True)

@@ -12,6 +12,14 @@ connection with a logged error, never the process.
 Initiator: the slices of one ``execute_many`` are pipelined on one pooled connection
 (several requests sent before the oldest reply is read, :data:`PIPELINE_DEPTH` and
 :data:`PIPELINE_NBYTES`), so the round trip of one slice overlaps the next one's bytes.
+
+Multi-path: a peer that publishes more addresses for its rpc port (``paths`` of its
+descriptor, one per NIC or network) is reached over all of them. Each task goes to the
+path that would finish it first, given the bytes already in flight there and the rate it
+delivered so far, so one transfer's slices spread over every path in proportion to what
+each delivers. A path whose connection fails is paused for ``path_pause_s``: the failed
+slices go to the other paths (the engine retries them), and the path is tried again when
+the pause ends.
 """
 
 from __future__ import annotations
@@ -282,6 +290,24 @@ class TcpServer(ConnectionServer):
         io.send_frame(fd, protocol.encode_response(status, req_id, len(body)) + body, 0, 0)
 
 
+class PathDown(TransferError):
+    """The connection to one address of a peer failed (connect, send, receive)."""
+
+
+class _Path:
+    """One address of a peer's rpc port, as this client has seen it perform."""
+
+    __slots__ = ("host", "port", "rate", "inflight", "bytes", "paused_until", "failures")
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.rate = 0.0          # bytes/s it delivered, smoothed (0: not measured yet)
+        self.inflight = 0        # bytes handed to it and not finished
+        self.bytes = 0           # bytes it moved
+        self.paused_until = 0.0  # monotonic time before which it is left alone
+        self.failures = 0
+
+
 class _Pool:
     """Up to ``limit`` connections to one peer; callers borrow one per slice."""
 
@@ -310,7 +336,7 @@ class _Pool:
             with self._cond:
                 self._count -= 1
                 self._cond.notify()
-            raise TransferError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+            raise PathDown(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
         _tune(sock)
         set_deadline(sock, self._io_timeout_s)
         return sock
@@ -346,13 +372,15 @@ class TcpTransport(Transport):
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "TcpTransport":
         return cls(config.connections_per_peer, config.connect_timeout_s,
-                   config.transfer_timeout_s)
+                   config.transfer_timeout_s, config.path_pause_s)
 
     def __init__(self, connections_per_peer: int = 4, connect_timeout_s: float = 5.0,
-                 transfer_timeout_s: float = 30.0) -> None:
+                 transfer_timeout_s: float = 30.0, path_pause_s: float = 5.0) -> None:
         self._limit = connections_per_peer
         self._connect_timeout_s = connect_timeout_s
         self._transfer_timeout_s = transfer_timeout_s
+        self._path_pause_s = path_pause_s
+        self._paths: dict[tuple[str, int], _Path] = {}
         self._pools: dict[tuple[str, int], _Pool] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -378,12 +406,70 @@ class TcpTransport(Transport):
 
     def execute(self, peer: Peer, op: int, local_address: int, remote_address: int,
                 nbytes: int) -> None:
-        desc = peer.descriptor
-        self.request(desc.host, desc.port, op, local_address, remote_address, nbytes)
+        self._over_paths(peer, [(op, local_address, remote_address, nbytes)])
 
     def execute_many(self, peer: Peer, slices: list[tuple[int, int, int, int, int]]) -> None:
+        self._over_paths(peer, [s[1:] for s in slices])
+
+    def _over_paths(self, peer: Peer, items: list[tuple[int, int, int, int]]) -> None:
+        """Pipeline ``items`` to the peer: on its one address, or on the path of its
+        several that would finish them first (see the module docstring)."""
         desc = peer.descriptor
-        self.pipeline(desc.host, desc.port, [s[1:] for s in slices])
+        if not desc.paths:
+            self.pipeline(desc.host, desc.port, items)
+            return
+        nbytes = sum(item[3] for item in items)
+        path = self._choose([(desc.host, desc.port)] + [(a, desc.port) for a in desc.paths],
+                            nbytes)
+        t0 = time.perf_counter()
+        done = False
+        try:
+            self.pipeline(path.host, path.port, items)
+            done = True
+        except (PathDown, ProtocolError) as exc:
+            self._pause(path, peer.name, exc)
+            raise
+        finally:
+            self._finished(path, nbytes, time.perf_counter() - t0, done)
+
+    def _choose(self, routes: list[tuple[str, int]], nbytes: int) -> _Path:
+        now = time.monotonic()
+        with self._lock:
+            paths = [self._paths.get(r) or self._paths.setdefault(r, _Path(*r)) for r in routes]
+            live = [p for p in paths if p.paused_until <= now] or \
+                [min(paths, key=lambda p: p.paused_until)]   # all paused: the first back
+            rates = [p.rate for p in live if p.rate > 0]
+            unmeasured = max(rates) if rates else 1.0   # as fast as the best: it gets a turn
+            path = min(live, key=lambda p: (p.inflight + nbytes) / (p.rate or unmeasured))
+            path.inflight += nbytes
+            return path
+
+    def _finished(self, path: _Path, nbytes: int, seconds: float, done: bool) -> None:
+        with self._lock:
+            path.inflight -= nbytes
+            if done:
+                path.bytes += nbytes
+                if seconds > 0:
+                    sample = nbytes / seconds
+                    path.rate = sample if not path.rate else 0.7 * path.rate + 0.3 * sample
+
+    def _pause(self, path: _Path, peer: str, exc: BaseException) -> None:
+        with self._lock:
+            path.paused_until = time.monotonic() + self._path_pause_s
+            path.failures += 1
+        log.warning("tcp path %s:%d to segment %s failed (%s): its slices go to the other "
+                    "paths, and it is tried again in %.1f s", path.host, path.port, peer, exc,
+                    self._path_pause_s)
+
+    def path_stats(self) -> dict[str, dict[str, Any]]:
+        """Per path of a multi-path peer: bytes moved, smoothed rate (GB/s), paused,
+        failures."""
+        now = time.monotonic()
+        with self._lock:
+            return {f"{p.host}:{p.port}": {"bytes": p.bytes, "gbps": p.rate / 1e9,
+                                           "paused": p.paused_until > now,
+                                           "failures": p.failures}
+                    for p in self._paths.values()}
 
     def _exchange(self, host: str, port: int, what: str,
                   body: Callable[[int, int], tuple[int, bytes]]) -> tuple[int, bytes]:
@@ -401,7 +487,7 @@ class TcpTransport(Transport):
             healthy = True
             return result
         except OSError as exc:
-            raise TransferError(f"{what} with {host}:{port} failed: {exc!r}") from exc
+            raise PathDown(f"{what} with {host}:{port} failed: {exc!r}") from exc
         finally:
             pool.put(sock, healthy)
 
@@ -499,10 +585,15 @@ class TcpTransport(Transport):
         return reply
 
     def forget(self, peer: Peer) -> None:
+        desc = peer.descriptor
+        routes = [(desc.host, desc.port)] + [(a, desc.port) for a in desc.paths]
         with self._lock:
-            pool = self._pools.pop((peer.descriptor.host, peer.descriptor.port), None)
-        if pool:
-            pool.close()
+            pools = [self._pools.pop(r, None) for r in routes]
+            for r in routes:
+                self._paths.pop(r, None)
+        for pool in pools:
+            if pool:
+                pool.close()
 
     def close(self) -> None:
         with self._lock:
