@@ -65,6 +65,13 @@ class CudaDriverDouble:
             _libc.munmap(base, nbytes)
         os.close(fd)
 
+    # the driver calls DeviceBuffer makes
+    def mem_alloc(self, nbytes: int, device: int) -> int:
+        return self.alloc(nbytes, device)
+
+    def mem_free(self, address: int, device: int) -> None:
+        self.free(address)
+
     def close_all(self) -> None:
         for base in list(self.allocs):
             self.free(base)

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("protocol", default="tcp", help="tcp (same-host peers use shared memory); rdma falls back to tcp")
     flag("device_names", default="", help="RDMA devices (unused: no RDMA here)")
     flag("global_segment_size", type=parse_size, default=parse_size("4 GB"))
+    flag("segment_location", default="cpu",
+         help="ours: where the segment lives, cpu or cuda:N (GPU memory, reached over "
+              "cuda_ipc on this host and staged tcp from others)")
     flag("local_buffer_size", type=parse_size, default=0,
          help="accepted for compatibility: reads land in the dummies' memory")
     flag("threads", type=int, default=1, help="accepted for compatibility (a thread per connection)")
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = StoreClient(args.master_server_address, local_hostname=args.host,
                              metadata_server=args.metadata_server,
-                             global_segment_size=args.global_segment_size, protocol=protocol)
+                             global_segment_size=args.global_segment_size, protocol=protocol,
+                             segment_location=args.segment_location)
     except (MooncakeError, MemoryError, OSError) as exc:
         print(f"mooncake_client: cannot set up the store client: {exc}", file=sys.stderr)
         return 1

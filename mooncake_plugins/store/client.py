@@ -25,7 +25,7 @@ from ..config import EngineConfig
 from ..errors import (BufferTooSmall, ClientNotFound, InvalidArgument, InvalidParams, LeaseExpired,
                       MooncakeError, NotSupported, ObjectNotFound, RpcFailed, RpcTimeout,
                       SegmentAlreadyExists, StoreError, StoreTransferFailed, store_error)
-from ..transfer import OpCode, TransferEngine, memory
+from ..transfer import OpCode, TransferEngine, cuda, memory
 from ..transfer.topology import host_id
 from . import offload
 from .rpc import RpcClient
@@ -176,6 +176,33 @@ class DerivedForms:
         return out
 
 
+@dataclass
+class _GpuSegment:
+    """A segment in device memory this client allocated and registered."""
+
+    memory: Any      # cuda.DeviceBuffer
+    address: int
+    nbytes: int
+
+
+def _allocate_segment(engine: TransferEngine, nbytes: int, location: str) -> Any:
+    """The memory a client contributes: memfd-backed host memory, or device memory."""
+    if location in ("cpu", "*", ""):
+        return engine.allocate(nbytes)
+    kind, _, index = location.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        raise InvalidParams(f"segment_location {location!r}: 'cpu' or 'cuda:N'")
+    if not cuda.available():
+        raise InvalidParams(f"a segment on {location} needs CUDA, and {cuda.why_unavailable()}")
+    memory_ = cuda.DeviceBuffer(nbytes, int(index))
+    try:
+        engine.register_address(memory_.address, nbytes, location)
+    except BaseException:
+        memory_.close()
+        raise
+    return _GpuSegment(memory_, memory_.address, nbytes)
+
+
 class StoreClient(DerivedForms):
     """One client of a Mooncake Store cluster.
 
@@ -191,9 +218,14 @@ class StoreClient(DerivedForms):
             of the same shared filesystem). Disk replicas are read under
             ``ssd_offload_path`` too, or, without one, under the master's ``root_fs_dir``.
         failover_timeout_s: how long a call waits for a new leader (HA) before failing.
+        segment_location: where the contributed memory lives: ``"cpu"`` (memfd-backed
+            host memory) or ``"cuda:N"`` (device memory of GPU N, allocated here; peers
+            reach it through cuda_ipc on this host and through our tcp server, which
+            stages it, from other hosts).
 
     Raises:
-        RpcFailed (master unreachable), InvalidParams.
+        RpcFailed (master unreachable), InvalidParams (also a GPU segment where CUDA does
+        not work, with the reason).
     """
 
     def __init__(self, master_address: str, *, local_hostname: str = "127.0.0.1",
@@ -201,7 +233,8 @@ class StoreClient(DerivedForms):
                  protocol: str = "tcp", engine: TransferEngine | None = None,
                  enable_ssd_offload: bool = False, ssd_offload_path: str = "",
                  cluster_id: str = "mooncake", rpc_timeout_s: float = 10.0,
-                 transfer_timeout_s: float = 30.0, failover_timeout_s: float = 30.0) -> None:
+                 transfer_timeout_s: float = 30.0, failover_timeout_s: float = 30.0,
+                 segment_location: str = "cpu") -> None:
         if protocol not in ("tcp", "shm"):
             raise NotSupported(f"protocol {protocol!r} is not available here (tcp, shm)")
         if global_segment_size < 0:
@@ -238,11 +271,14 @@ class StoreClient(DerivedForms):
         self._task_lock = threading.Lock()   # guards _task_runner against close()
         try:
             if engine is None:
+                if segment_location.startswith("cuda"):
+                    cuda.available()   # load the driver first: the engine then offers cuda_ipc
                 cfg = EngineConfig.from_env()
                 cfg.transfer_timeout_s = transfer_timeout_s
                 engine = TransferEngine(local_hostname, metadata_server, config=cfg)
             self.engine = engine
-            self._segment = engine.allocate(global_segment_size) if global_segment_size else None
+            if global_segment_size:
+                self._segment = _allocate_segment(engine, global_segment_size, segment_location)
             info = self._register_first()
         except BaseException:
             self._release(engine)
@@ -940,8 +976,12 @@ class StoreClient(DerivedForms):
             return
         if self._owns_engine:
             engine.close()
+        elif isinstance(self._segment, _GpuSegment):
+            engine.unregister(self._segment.address)
         elif self._segment is not None:
             engine.free(self._segment)
+        if isinstance(self._segment, _GpuSegment):
+            self._segment.memory.close()   # after the engine let go of it
 
     def __enter__(self) -> "StoreClient":
         return self

@@ -16,7 +16,7 @@ import os
 import pytest
 from cuda_double import double  # noqa: F401  (the fixture)
 
-from mooncake_plugins.errors import InvalidArgument
+from mooncake_plugins.errors import InvalidArgument, InvalidParams
 from mooncake_plugins.store.client import ReplicateConfig, StoreClient
 
 N = (3 << 20) + 777
@@ -65,3 +65,27 @@ def test_no_cpu_view_of_device_memory(clients, double):
     with pytest.raises(InvalidArgument, match="GPU memory .* the CPU has no view of it"):
         a.local_view(dev, 4096)
     a.unregister_buffer(dev)
+
+
+def test_a_holder_lends_gpu_memory(master, double):
+    """A holder whose segment is device memory (``segment_location="cuda:0"``): objects
+    put by a client land there through CUDA copies, are read back equal, and the memory is
+    freed when the holder closes; a location that is not cpu or cuda:N is refused."""
+    holder = StoreClient(master.address, global_segment_size=8 << 20, segment_location="cuda:0")
+    (base,) = [a for a, (n, *_rest) in double.allocs.items() if n == 8 << 20]
+    client = StoreClient(master.address, global_segment_size=0)
+    try:
+        data = os.urandom(3 << 20)
+        double.copy_log.clear()
+        client.put("on-gpu", data)
+        assert client.get("on-gpu") == data
+        assert any(base <= d < base + (8 << 20) for d, _, _ in double.copy_log), \
+            "the bytes were copied into the holder's device memory by CUDA"
+        (replica,) = client.locate(["on-gpu"]).found[0][1]
+        assert all(base <= s[1] < base + (8 << 20) for s in replica)
+    finally:
+        client.close()
+        holder.close()
+    assert base not in double.allocs, "the device memory was freed with the holder"
+    with pytest.raises(InvalidParams, match="segment_location 'gpu0'"):
+        StoreClient(master.address, global_segment_size=1 << 20, segment_location="gpu0")
