@@ -22,7 +22,10 @@ from mooncake_plugins.transfer import TransferEngine
 
 
 def pattern(seed: int, nbytes: int) -> bytes:
-    return random.Random(seed).randbytes(nbytes)
+    """``random.Random(seed).randbytes(nbytes)``, made in pieces (one call is limited to
+    less than 256 MiB; the pieces join to the same bytes)."""
+    r, piece = random.Random(seed), 64 << 20
+    return b"".join(r.randbytes(min(piece, nbytes - at)) for at in range(0, nbytes, piece))
 
 
 def main() -> None:
