@@ -22,6 +22,21 @@ def libcuda_path(env: Any = None) -> str | None:
     return (os.environ if env is None else env).get("MOONCAKE_LIBCUDA") or None
 
 
+def gid_index(env: Any = None) -> int | None:
+    """``MC_GID_INDEX``: the GID table entry RDMA queue pairs must use (unset or -1: the
+    best one, see ``nic_topology.choose_gid``)."""
+    raw = (os.environ if env is None else env).get("MC_GID_INDEX", "")
+    if raw in ("", "-1"):
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable MC_GID_INDEX={raw!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"MC_GID_INDEX={value}: an index >= 0, or -1 for automatic")
+    return value
+
+
 def nixl_plugin_dir_auto() -> bool:
     """Whether our vLLM plugin points NIXL at our plugin directory where NIXL is
     installed and ``NIXL_PLUGIN_DIR`` is unset (``MC_NIXL_PLUGIN_DIR=0``: it does not)."""

@@ -37,6 +37,73 @@ class Nic:
     active_ports: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class Gid:
+    """One entry of a port's GID table, as sysfs shows it."""
+
+    index: int
+    gid: str            # "0000:0000:0000:0000:0000:ffff:0a00:0001"
+    kind: str           # "RoCE v2", "IB/RoCE v1", or "" (an InfiniBand port)
+    netdev: str = ""    # the Ethernet device the entry belongs to (RoCE)
+
+    @property
+    def ipv4(self) -> str | None:
+        """The IPv4 address of an IPv4-mapped GID (``::ffff:a.b.c.d``), else None."""
+        words = self.gid.split(":")
+        if len(words) != 8 or any(int(w, 16) for w in words[:5]) or int(words[5], 16) != 0xFFFF:
+            return None
+        return ".".join(str(b) for b in bytes.fromhex(words[6] + words[7]))
+
+    @property
+    def link_local(self) -> bool:
+        return self.gid.lower().startswith("fe80:")
+
+
+def port_gids(sysfs: str, device: str, port: int) -> tuple[str, list[Gid]]:
+    """The port's link layer (``Ethernet`` or ``InfiniBand``) and its non-empty GIDs."""
+    base = os.path.join(sysfs, "class", "infiniband", device, "ports", str(port))
+    link = _read(os.path.join(base, "link_layer"), "InfiniBand")
+    gids = []
+    names = os.listdir(os.path.join(base, "gids")) if os.path.isdir(os.path.join(base, "gids")) \
+        else []
+    for name in sorted((n for n in names if n.isdigit()), key=int):
+        gid = _read(os.path.join(base, "gids", name))
+        if not gid or not any(int(w, 16) for w in gid.split(":") if w):
+            continue   # an unused slot
+        gids.append(Gid(int(name), gid, _read(os.path.join(base, "gid_attrs", "types", name)),
+                        _read(os.path.join(base, "gid_attrs", "ndevs", name))))
+    return link, gids
+
+
+def choose_gid(link_layer: str, gids: Sequence[Gid], forced: int | None = None) -> Gid:
+    """The GID a queue pair on this port should use.
+
+    ``forced`` (``MC_GID_INDEX``) wins when that entry exists. On InfiniBand, the first
+    GID. On RoCE (Ethernet), best first: RoCE v2 with an IPv4 address, RoCE v2 with a
+    global IPv6 address, RoCE v2 link-local, then RoCE v1 in the same order: a wrong
+    choice here is the most common reason RDMA connections never come up.
+
+    Raises:
+        ValueError: no usable GID, or ``forced`` names none.
+    """
+    if forced is not None:
+        for g in gids:
+            if g.index == forced:
+                return g
+        raise ValueError(f"MC_GID_INDEX={forced}: the port has no GID at that index "
+                         f"(it has {[g.index for g in gids]})")
+    if not gids:
+        raise ValueError("the port has no GID (is its link up, does its netdev have an address?)")
+    if link_layer != "Ethernet":
+        return gids[0]
+
+    def rank(g: Gid) -> tuple[int, int, int]:
+        family = 0 if g.ipv4 else (2 if g.link_local else 1)
+        return (0 if "v2" in g.kind else 1, family, g.index)
+
+    return min(gids, key=rank)
+
+
 @dataclass
 class NicTopology:
     """NICs, NUMA nodes and GPUs (PCI device paths in CUDA order) of one host."""

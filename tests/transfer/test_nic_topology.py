@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from mooncake.engine import TransferEngine
-from mooncake_plugins.transfer.nic_topology import NicTopology
+from mooncake_plugins.config import gid_index
+from mooncake_plugins.transfer.nic_topology import NicTopology, choose_gid, port_gids
 
 #       name      PCI path under devices/                       NUMA  port state
 NICS = [("mlx5_0", "pci0000:00/0000:00:01.0/0000:01:00.0", 0, "4: ACTIVE"),
@@ -111,3 +112,62 @@ def test_cuda_bus_ids_name_sysfs_entries(bus_id, want):
     from mooncake_plugins.transfer.nic_topology import _full_bdf
 
     assert _full_bdf(bus_id) == want
+
+
+def gid_port(root: Path, link: str, entries: list[tuple[int, str, str, str]]) -> Path:
+    """A port of device mlx5_0 with GID table ``entries`` of (index, gid, type, netdev)."""
+    port = root / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
+    for sub in ("gids", "gid_attrs/types", "gid_attrs/ndevs"):
+        (port / sub).mkdir(parents=True, exist_ok=True)
+    (port / "link_layer").write_text(link + "\n")
+    for i in range(8):   # the kernel shows every slot; unused ones are all zero
+        (port / "gids" / str(i)).write_text("0000:0000:0000:0000:0000:0000:0000:0000\n")
+    for index, gid, kind, ndev in entries:
+        (port / "gids" / str(index)).write_text(gid + "\n")
+        (port / "gid_attrs" / "types" / str(index)).write_text(kind + "\n")
+        (port / "gid_attrs" / "ndevs" / str(index)).write_text(ndev + "\n")
+    return port
+
+
+ROCE = [(0, "fe80:0000:0000:0000:0a00:27ff:fe00:0001", "IB/RoCE v1", "eth0"),
+        (1, "fe80:0000:0000:0000:0a00:27ff:fe00:0001", "RoCE v2", "eth0"),
+        (2, "0000:0000:0000:0000:0000:ffff:0a00:0001", "IB/RoCE v1", "eth0"),
+        (3, "0000:0000:0000:0000:0000:ffff:0a00:0001", "RoCE v2", "eth0"),
+        (5, "2001:0db8:0000:0000:0000:0000:0000:0007", "RoCE v2", "eth0")]
+
+
+def test_roce_prefers_v2_with_an_ipv4_address(tmp_path):
+    gid_port(tmp_path, "Ethernet", ROCE)
+    link, gids = port_gids(str(tmp_path), "mlx5_0", 1)
+    assert link == "Ethernet" and [g.index for g in gids] == [0, 1, 2, 3, 5], \
+        "all-zero slots are not GIDs"
+    best = choose_gid(link, gids)
+    assert (best.index, best.ipv4, best.netdev) == (3, "10.0.0.1", "eth0")
+    # without the IPv4 one: the global IPv6 v2 entry, then v2 link-local, then v1
+    assert choose_gid(link, [g for g in gids if g.index != 3]).index == 5
+    assert choose_gid(link, [g for g in gids if g.index in (0, 1, 2)]).index == 1
+    assert choose_gid(link, [g for g in gids if g.index in (0, 2)]).index == 2
+    assert choose_gid(link, gids, forced=0).index == 0   # MC_GID_INDEX wins
+    with pytest.raises(ValueError, match="MC_GID_INDEX=4: the port has no GID at that index"):
+        choose_gid(link, gids, forced=4)
+
+
+def test_infiniband_takes_the_first_gid_and_an_empty_table_is_an_error(tmp_path):
+    gid_port(tmp_path, "InfiniBand", [(0, "fe80:0000:0000:0000:0002:c903:0001:2345", "", "")])
+    link, gids = port_gids(str(tmp_path), "mlx5_0", 1)
+    assert link == "InfiniBand" and choose_gid(link, gids).index == 0
+    assert gids[0].ipv4 is None
+    with pytest.raises(ValueError, match="the port has no GID"):
+        choose_gid("Ethernet", [])
+
+
+@pytest.mark.parametrize("raw,want", [("", None), ("-1", None), ("3", 3)])
+def test_gid_index_from_the_environment(raw, want):
+    assert gid_index({"MC_GID_INDEX": raw}) == want
+
+
+def test_a_bad_gid_index_names_the_variable():
+    with pytest.raises(ValueError, match="MC_GID_INDEX='x' is not an integer"):
+        gid_index({"MC_GID_INDEX": "x"})
+    with pytest.raises(ValueError, match="MC_GID_INDEX=-2"):
+        gid_index({"MC_GID_INDEX": "-2"})

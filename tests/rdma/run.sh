@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The prepared RDMA check (issue 26), for a machine with an RDMA NIC (or one where the
+# kernel lets root make a Soft-RoCE device). No RDMA data path is built yet: this checks
+# what a data path will stand on, device discovery, GID choice and NIC ranking, against
+# the system's own tools, and tries Soft-RoCE on a veth pair. Fetches nothing.
+# Writes rdma_result.json under $OUT (else tests/rdma/results/). Exit 0 when it ran.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+RESULTS="${OUT:-$ROOT/tests/rdma/results}"
+mkdir -p "$RESULTS"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PY=$(command -v python3 || command -v python)
+echo "== RDMA devices in /sys/class/infiniband: $(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ' || true)"
+timeout 120 "$PY" tests/rdma/check.py --out "$RESULTS/rdma_result.json"
+echo "== wrote $RESULTS/rdma_result.json"
