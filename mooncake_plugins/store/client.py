@@ -176,6 +176,57 @@ class DerivedForms:
         return out
 
 
+SMALL_PUT_NBYTES = 64 << 10
+"""A put whose values come to at most this many bytes copies them into a registered
+scratch buffer instead of registering each value (5 us for a registration and its removal,
+0.14 us to copy 4 KiB, measured here)."""
+
+
+def _small_values(values: Sequence[Any]) -> list[memoryview] | None:
+    """Byte views of ``values`` when they are contiguous host buffers of at most
+    :data:`SMALL_PUT_NBYTES` in all, else None."""
+    views, total = [], 0
+    for v in values:
+        try:
+            view = memoryview(v).cast("B")
+        except (TypeError, ValueError):   # no buffer protocol, or not contiguous
+            return None
+        total += view.nbytes
+        if total > SMALL_PUT_NBYTES:
+            return None
+        views.append(view)
+    return views
+
+
+class _Scratch:
+    """Registered buffers of :data:`SMALL_PUT_NBYTES`, each lent to one call at a time."""
+
+    def __init__(self, engine: TransferEngine) -> None:
+        self._engine = engine
+        self._free: list[tuple[bytearray, Any]] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[bytearray, Any]:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        buf = bytearray(SMALL_PUT_NBYTES)
+        return buf, self._engine.register(buf, private=True)
+
+    def give(self, item: tuple[bytearray, Any], reuse: bool = True) -> None:
+        if reuse:
+            with self._lock:
+                self._free.append(item)
+        else:   # waits for slices still using it
+            self._engine.unregister(item[1])
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for _, region in free:
+            self._engine.unregister(region)
+
+
 @dataclass
 class _GpuSegment:
     """A segment in device memory this client allocated and registered."""
@@ -277,6 +328,7 @@ class StoreClient(DerivedForms):
                 cfg.transfer_timeout_s = transfer_timeout_s
                 engine = TransferEngine(local_hostname, metadata_server, config=cfg)
             self.engine = engine
+            self._scratch = _Scratch(engine)
             if global_segment_size:
                 self._segment = _allocate_segment(engine, global_segment_size, segment_location)
             info = self._register_first()
@@ -514,6 +566,9 @@ class StoreClient(DerivedForms):
         """Put many objects in one master round trip each way; per-key errors (None = ok)."""
         if len(keys) != len(values):
             raise InvalidParams("keys and values differ in length")
+        views = _small_values(values)
+        if views is not None:
+            return self._put_small(keys, views, config, upsert)
         regions: list[Any] = []
         try:
             ranges = [self._stage(v, regions) for v in values]
@@ -522,6 +577,26 @@ class StoreClient(DerivedForms):
         finally:
             for r in regions:
                 self.engine.unregister(r)
+
+    def _put_small(self, keys: Sequence[str], views: list[memoryview],
+                   config: ReplicateConfig | None, upsert: bool) -> list[StoreError | None]:
+        """Put values copied into a registered scratch buffer of this client (cheaper than
+        registering each value and removing it again). The buffer is lent again only after
+        a put that went through whole: one that failed may have slices still reading it."""
+        buf, region = self._scratch.take()
+        ok = False
+        try:
+            ranges, at = [], 0
+            for v in views:
+                buf[at:at + v.nbytes] = v
+                ranges.append((region.address + at, v.nbytes) if v.nbytes else (0, 0))
+                at += v.nbytes
+            out = self.batch_put_from(keys, [a for a, _ in ranges], [n for _, n in ranges],
+                                      config, upsert)
+            ok = not any(isinstance(e, StoreTransferFailed) for e in out)
+            return out
+        finally:
+            self._scratch.give((buf, region), reuse=ok)
 
     def _stage(self, value: Any, regions: list[Any]) -> tuple[int, int]:
         """``(address, nbytes)`` of ``value`` in a private region of this call (``regions``).
@@ -974,6 +1049,8 @@ class StoreClient(DerivedForms):
         self._rpc.close()
         if engine is None:
             return
+        if hasattr(self, "_scratch") and not self._owns_engine:
+            self._scratch.close()   # an engine of ours takes its registrations with it
         if self._owns_engine:
             engine.close()
         elif isinstance(self._segment, _GpuSegment):
