@@ -491,11 +491,6 @@ class TcpTransport(Transport):
         finally:
             pool.put(sock, healthy)
 
-    def request(self, host: str, port: int, op: int, local_address: int, remote_address: int,
-                nbytes: int) -> None:
-        """One READ or WRITE frame exchange on a pooled connection to ``host:port``."""
-        self.pipeline(host, port, [(op, local_address, remote_address, nbytes)])
-
     def pipeline(self, host: str, port: int, items: Sequence[tuple[int, int, int, int]]) -> None:
         """Move ``(op, local_address, remote_address, nbytes)`` items over one pooled
         connection to ``host:port``, several requests in flight (:data:`PIPELINE_DEPTH`,
