@@ -55,3 +55,21 @@ def baseline(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> list[
     results, _ = run_engine(tiny_llama, tmp_path_factory.mktemp("baseline"), "baseline",
                             prompts=2, single_process=True)
     return results
+
+
+@pytest.fixture
+def engines(tiny_llama_config: str):
+    """Factory of :class:`harness.MiniEngine` (vLLM's scheduler and our worker side over a
+    KV cache in this process), each closed after the test."""
+    from harness import MiniEngine
+
+    made: list = []
+
+    def make(extra, **kw):
+        e = MiniEngine(tiny_llama_config, extra, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()

@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 from cuda_double import double  # noqa: F401  (the fixture)
-from harness import BLOCK, MiniEngine, store_config
+from harness import BLOCK, store_config
 from pd_harness import PDEngine
 
 import mooncake_vllm.cuda_fence as cuda_fence
@@ -65,20 +65,6 @@ class StreamLog:
 
     def waited(self) -> int:
         return sum(c[0] == "sync" for c in self.calls)
-
-
-@pytest.fixture
-def engines(tiny_llama_config):
-    made: list[MiniEngine] = []
-
-    def make(extra, **kw) -> MiniEngine:
-        e = MiniEngine(tiny_llama_config, extra, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
 
 
 def test_store_connector_saves_and_loads_a_cuda_kv_cache(store, engines, double, monkeypatch):

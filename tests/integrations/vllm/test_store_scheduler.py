@@ -34,20 +34,6 @@ def objects(store) -> int:
         return c.stats()["objects"]
 
 
-@pytest.fixture
-def engines(tiny_llama_config):
-    made: list[MiniEngine] = []
-
-    def make(extra, **kw) -> MiniEngine:
-        e = MiniEngine(tiny_llama_config, extra, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
 def test_a_fresh_engine_loads_the_prefix_another_one_saved(store, engines):
     a = engines(store_config(store.address))
     a.add("a", PROMPT)
