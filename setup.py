@@ -19,8 +19,11 @@ NATIVE = ["buffers", "tcp", "shm", "fast_copy", "cuda"]
 # dlopens libcuda.so.1 at first use (libdl for glibc < 2.34), so one wheel serves machines
 # with or without CUDA, and any CUDA 12 or 13 driver.
 LIBRARIES: dict[str, list[str]] = {"cuda": ["dl"]}
-# Optional modules: name -> header that must exist for it to build.
-OPTIONAL: dict[str, str] = {}
+# Optional modules: name -> header that must exist for it to build. verbs reads only the
+# structures' layouts from the header (libibverbs-dev) and dlopens libibverbs.so.1 at run
+# time, so it links nothing either.
+OPTIONAL: dict[str, str] = {"verbs": "/usr/include/infiniband/verbs.h"}
+LIBRARIES["verbs"] = ["dl"]
 
 
 def _extensions():

@@ -37,6 +37,12 @@ def gid_index(env: Any = None) -> int | None:
     return value
 
 
+def libibverbs_path(env: Any = None) -> str | None:
+    """``MOONCAKE_LIBIBVERBS``: the libibverbs library to load instead of
+    ``libibverbs.so.1`` from the usual places."""
+    return (os.environ if env is None else env).get("MOONCAKE_LIBIBVERBS") or None
+
+
 def nixl_plugin_dir_auto() -> bool:
     """Whether our vLLM plugin points NIXL at our plugin directory where NIXL is
     installed and ``NIXL_PLUGIN_DIR`` is unset (``MC_NIXL_PLUGIN_DIR=0``: it does not)."""

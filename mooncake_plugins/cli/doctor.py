@@ -69,9 +69,17 @@ def transports() -> list[tuple[str, str]]:
         else:
             rows.append((name, f"available ({path} data path)"))
     if "rdma" not in transport_names():
-        rows.append(("rdma", f"not built (no ibverbs transport yet); {rdma_nics()}"))
+        rows.append(("rdma", f"no transport yet; {rdma_devices()}; {rdma_nics()}"))
     rows.append(("NIXL backend", nixl_state()))
     return rows
+
+
+def rdma_devices() -> str:
+    """What libibverbs lists here, or why it lists nothing, in a few words."""
+    from mooncake_plugins.transfer import verbs
+    if not verbs.available():
+        return f"libibverbs: {verbs.why_unavailable()}"
+    return "libibverbs devices " + ", ".join(d["name"] for d in verbs.devices())
 
 
 def rdma_nics() -> str:

@@ -1,9 +1,10 @@
 """What an RDMA machine offers, as our discovery sees it, beside the system's own tools.
 
-Run by tests/rdma/run.sh. No RDMA data path is built yet (issue 26: the verbs module and
-the rdma transport are to come), so this checks the groundwork a data path needs on real
-hardware: our device list (NicTopology: devices with an ACTIVE port) against
-``ibv_devices`` and, where importable, pyverbs; each port's link layer and the GID our
+Run by tests/rdma/run.sh. No RDMA data path is built yet (issue 26: the rdma transport is to
+come), so this checks the groundwork a data path needs on real hardware: our device list
+(NicTopology: devices with an ACTIVE port) and our verbs binding's (``transfer/verbs.py``:
+devices, ports, GID tables, against sysfs) beside ``ibv_devices`` and, where importable,
+pyverbs; each port's link layer and the GID our
 rules choose (choose_gid) beside its whole GID table; the per-location NIC ranking
 (get_local_topology's JSON); and, where the kernel allows, the same on a Soft-RoCE device
 made on a veth pair. Writes one JSON (``--out``).
@@ -90,7 +91,9 @@ def main() -> int:
     rc, ibv = run("ibv_devices")
     listed = sorted(line.split()[0] for line in ibv.splitlines()[2:] if line.split()) \
         if rc == 0 else None
-    report = {"ours": ours, "ibv_devices": ibv, "ibv_devices_names": listed,
+    from mooncake_plugins.transfer import verbs
+    report = {"ours": ours, "verbs": verbs.devices() if verbs.available() else
+              verbs.why_unavailable(), "ibv_devices": ibv, "ibv_devices_names": listed,
               "ibv_devinfo": run("ibv_devinfo")[1][:20000]}
     try:
         import pyverbs.device as d
@@ -99,9 +102,17 @@ def main() -> int:
         report["pyverbs_names"] = f"unavailable: {exc!r}"
     if listed is not None:
         report["same_devices_as_ibv_devices"] = listed == ours["devices_in_sysfs"]
+    if verbs.available():   # our verbs binding's view against sysfs: names and GIDs
+        report["verbs_names_equal_sysfs"] = sorted(d["name"] for d in report["verbs"]) == \
+            ours["devices_in_sysfs"]
+        report["verbs_gids_equal_sysfs"] = {
+            f"{d['name']}/{p['port']}": [g[1] for g in p.get("gids", [])] ==
+            [g[1] for g in ours["ports"].get(f"{d['name']}/{p['port']}", {}).get("gids", [])]
+            for d in report["verbs"] for p in d.get("ports", [])}
     report["soft_roce"] = soft_roce()
     Path(a.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: report[k] for k in ("ibv_devices_names", "pyverbs_names")}, indent=1))
+    print(json.dumps({k: report[k] for k in ("ibv_devices_names", "pyverbs_names", "verbs")},
+                     indent=1)[:4000])
     print("ours:", json.dumps(ours, indent=1)[:4000])
     print("soft-RoCE:", json.dumps(report["soft_roce"], indent=1)[:3000])
     return 0
