@@ -62,32 +62,19 @@ class ChunkIO:
             return i >= 0 and address + nbytes <= sum(self._regions[i])
 
     @staticmethod
-    def _gpu(obj: "MemoryObj") -> str | None:
-        """``cuda:N`` for a contiguous object in GPU memory, else None."""
+    def _gpu(obj: "MemoryObj") -> bool:
+        """Whether ``obj`` is contiguous GPU memory."""
         raw = obj.raw_tensor
-        if raw is None or raw.device.type != "cuda" or not raw.is_contiguous():
-            return None
-        return f"cuda:{raw.device.index or 0}"
+        return raw is not None and raw.device.type == "cuda" and raw.is_contiguous()
 
     @contextmanager
     def _direct(self, objs: Sequence["MemoryObj"]) -> Iterator[list[int]]:
         """Indices of the objects that move zero-copy, GPU objects outside the registered
         buffers registered for the block's duration."""
-        direct, added = [], []
-        try:
-            for i, obj in enumerate(objs):
-                if self.zero_copy(obj):
-                    direct.append(i)
-                elif (where := self._gpu(obj)) is not None and obj.data_ptr not in added:
-                    self.client.register_buffer(obj.data_ptr, obj.get_size(), where)
-                    added.append(obj.data_ptr)
-                    direct.append(i)
-                elif where is not None:   # a second object at the same address
-                    direct.append(i)
+        direct = [i for i, o in enumerate(objs) if self.zero_copy(o) or self._gpu(o)]
+        with self.client.gpu_buffers((objs[i].data_ptr, objs[i].get_size()) for i in direct
+                                     if self._gpu(objs[i])):
             yield direct
-        finally:
-            for address in added:
-                self.client.unregister_buffer(address)
 
     # -- transfers ----------------------------------------------------------------------
     def put(self, keys: Sequence[str], objs: Sequence["MemoryObj"]) -> list[StoreError | None]:

@@ -164,9 +164,7 @@ class PDWorker:
 
     def _drop(self, tid: str, reason: str) -> None:
         """Let a transfer's blocks go (under the lock)."""
-        send = self._sends.pop(tid)
-        if send.after is not None and not any(s.after is send.after for s in self._sends.values()):
-            send.after.close()
+        send = self._sends.pop(tid)   # its fence's events go with the last send holding it
         self._sent.add(send.job.req_id)
         self._end(tid, reason)
 

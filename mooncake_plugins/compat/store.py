@@ -14,14 +14,13 @@ import logging
 import mmap
 import os
 import random
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from contextlib import nullcontext
+from typing import Any, Sequence
 
 from ..config import parse_size
 from ..errors import InvalidParams, MooncakeError, NotSupported, ObjectAlreadyExists
 from ..store.client import ReplicateConfig as _Config, StoreClient
 from ..store.replicate_config import ObjectDataType, ReplicateConfig, SoftPinAction
-from ..transfer import cuda, memory
 from ..transfer.memory import address_of
 from .engine import TransferEngine as CompatEngine
 from .store_dummy import _DummyMethods
@@ -374,23 +373,11 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
             log.error("batch_get_into failed: %s", exc)
             return [_code(exc)] * len(keys)
 
-    @contextmanager
-    def _gpu_destinations(self, ptrs: Sequence[int], sizes: Sequence[int]) -> Iterator[None]:
+    def _gpu_destinations(self, ptrs: Sequence[int], sizes: Sequence[int]) -> Any:
         """GPU memory the caller did not register, registered for the call: the original
         reads into any CUDA destination (its tests do). Host memory must be registered."""
-        engine = getattr(self.client, "engine", None)
-        added: list[int] = []
-        try:
-            if engine is not None and cuda.driver_in_process():
-                for p, n in zip(ptrs, sizes):
-                    if n > 0 and p not in added and not engine.is_registered(p, n) \
-                            and memory.kind_of(p, n) == "cuda":
-                        engine.register_address(p, n, "*", private=True)
-                        added.append(p)
-            yield
-        finally:
-            for p in added:
-                engine.unregister(p)
+        gpu_buffers = getattr(self.client, "gpu_buffers", None)   # a dummy client has none
+        return gpu_buffers(zip(ptrs, sizes)) if gpu_buffers else nullcontext()
 
     def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                      all_sizes: list[list[int]],

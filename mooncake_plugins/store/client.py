@@ -19,7 +19,8 @@ import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ..config import EngineConfig
 from ..errors import (BufferTooSmall, ClientNotFound, InvalidArgument, InvalidParams, LeaseExpired,
@@ -227,17 +228,9 @@ class _Scratch:
             self._engine.unregister(region)
 
 
-@dataclass
-class _GpuSegment:
-    """A segment in device memory this client allocated and registered."""
-
-    memory: Any      # cuda.DeviceBuffer
-    address: int
-    nbytes: int
-
-
 def _allocate_segment(engine: TransferEngine, nbytes: int, location: str) -> Any:
-    """The memory a client contributes: memfd-backed host memory, or device memory."""
+    """The memory a client contributes (``address``, ``nbytes``): the engine's memfd-backed
+    host memory, or a registered :class:`cuda.DeviceBuffer`."""
     if location in ("cpu", "*", ""):
         return engine.allocate(nbytes)
     kind, _, index = location.partition(":")
@@ -251,7 +244,7 @@ def _allocate_segment(engine: TransferEngine, nbytes: int, location: str) -> Any
     except BaseException:
         memory_.close()
         raise
-    return _GpuSegment(memory_, memory_.address, nbytes)
+    return memory_
 
 
 class StoreClient(DerivedForms):
@@ -539,6 +532,25 @@ class StoreClient(DerivedForms):
 
     def unregister_buffer(self, address: int) -> None:
         self.engine.unregister(address)
+
+    @contextmanager
+    def gpu_buffers(self, ranges: Iterable[tuple[int, int]]) -> Iterator[None]:
+        """Register, for the ``with`` block, the GPU memory among ``(address, nbytes)``
+        ranges that is not registered here yet (the original reads into and writes from
+        any CUDA memory); host memory is left as it is."""
+        added: list[int] = []
+        try:
+            if cuda.driver_in_process():
+                for address, nbytes in ranges:
+                    if nbytes > 0 and address not in added \
+                            and not self.engine.is_registered(address, nbytes) \
+                            and memory.kind_of(address, nbytes) == "cuda":
+                        self.engine.register_address(address, nbytes, "*", private=True)
+                        added.append(address)
+            yield
+        finally:
+            for address in added:
+                self.engine.unregister(address)
 
     def local_view(self, address: int, nbytes: int) -> memoryview:
         """A writable view of registered memory. Raises AddressError outside a registration."""
@@ -1053,12 +1065,12 @@ class StoreClient(DerivedForms):
             self._scratch.close()   # an engine of ours takes its registrations with it
         if self._owns_engine:
             engine.close()
-        elif isinstance(self._segment, _GpuSegment):
+        elif isinstance(self._segment, cuda.DeviceBuffer):
             engine.unregister(self._segment.address)
         elif self._segment is not None:
             engine.free(self._segment)
-        if isinstance(self._segment, _GpuSegment):
-            self._segment.memory.close()   # after the engine let go of it
+        if isinstance(self._segment, cuda.DeviceBuffer):
+            self._segment.close()   # after the engine let go of it
 
     def __enter__(self) -> "StoreClient":
         return self
