@@ -49,7 +49,15 @@ def nixl_plugin_dir_auto() -> bool:
     return os.environ.get("MC_NIXL_PLUGIN_DIR") != "0"
 
 
-DEFAULT_TRANSPORTS: tuple[str, ...] = ("cuda_ipc", "shm", "tcp")
+DEFAULT_TRANSPORTS: tuple[str, ...] = ("cuda_ipc", "shm", "rdma", "tcp")
+
+
+def apply_protocol(cfg: "EngineConfig", protocol: str) -> None:
+    """Fit ``cfg.transports`` to the original API's ``protocol``: ``"tcp"`` (and ``"shm"``)
+    mean no rdma, as in the original; ``"rdma"`` keeps the list. An explicit
+    ``MC_TRANSPORTS`` is kept as given."""
+    if protocol in ("tcp", "shm") and not os.environ.get("MC_TRANSPORTS"):
+        cfg.transports = [t for t in cfg.transports if t != "rdma"]
 """Transports of an engine not told otherwise. ``cuda_ipc`` among them is used only in a
 process that already loaded a CUDA driver (a framework using the GPU), and is silently off
 elsewhere; named in MC_TRANSPORTS, it loads the driver, with a warning where it cannot."""
@@ -140,8 +148,9 @@ class EngineConfig:
         transports: transports the engine may use (MC_TRANSPORTS, comma separated; names
             from the transport registry: "shm", "tcp", ...). Per peer and memory kind the
             engine uses those that qualify best first, by each transport's declared rank
-            (cuda_ipc before shm before tcp; "shm" and "cuda_ipc" reach only same-host
-            peers, "cuda_ipc" moves GPU memory only), not by this list's order. Default:
+            (cuda_ipc before shm before rdma before tcp; "shm" and "cuda_ipc" reach only
+            same-host peers, "cuda_ipc" moves GPU memory only, "rdma" needs an RDMA
+            device on both sides), not by this list's order. Default:
             :data:`DEFAULT_TRANSPORTS`.
         retries: extra attempts of a failed slice on another path (MC_RETRIES).
         inline_nbytes: batches up to this size run in the submitting thread, without a
@@ -152,6 +161,9 @@ class EngineConfig:
             over every address, weighted by what each delivers.
         path_pause_s: how long a tcp path that failed is left alone before it is tried
             again (MC_PATH_PAUSE); its slices go to the other paths meanwhile.
+        rdma_devices: the RDMA devices the rdma transport may use (MC_RDMA_DEVICES,
+            comma separated, the original's ``device_name``; empty: every device with an
+            ACTIVE port).
     """
 
     slice_nbytes: int = 1 << 20
@@ -164,6 +176,7 @@ class EngineConfig:
     inline_nbytes: int = 256 << 10
     tcp_paths: list[str] = field(default_factory=list)
     path_pause_s: float = 5.0
+    rdma_devices: list[str] = field(default_factory=list)
 
     @classmethod
     def from_env(cls) -> "EngineConfig":
@@ -182,6 +195,8 @@ class EngineConfig:
         cfg.tcp_paths = [a.strip() for a in os.environ.get("MC_TCP_PATHS", "").split(",")
                          if a.strip()]
         cfg.path_pause_s = _float_env("MC_PATH_PAUSE", cfg.path_pause_s)
+        cfg.rdma_devices = [d.strip() for d in os.environ.get("MC_RDMA_DEVICES", "").split(",")
+                            if d.strip()]
         cfg.validate()
         return cfg
 

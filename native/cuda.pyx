@@ -65,6 +65,7 @@ cdef struct Api:
     cuEventSynchronize_t cuEventSynchronize
     cuEventQuery_t cuEventQuery
     cuEventElapsedTime_t cuEventElapsedTime
+    cuMemGetHandleForAddressRange_t cuMemGetHandleForAddressRange  # NULL before CUDA 11.7
 
 
 cdef enum:
@@ -129,6 +130,8 @@ cdef int _resolve(void *lib) except -1:
     api.cuEventElapsedTime = <cuEventElapsedTime_t>dlsym(lib, b"cuEventElapsedTime_v2")
     if api.cuEventElapsedTime == NULL:
         _bind(lib, b"cuEventElapsedTime", <void **>&api.cuEventElapsedTime)
+    api.cuMemGetHandleForAddressRange = <cuMemGetHandleForAddressRange_t>dlsym(
+        lib, b"cuMemGetHandleForAddressRange")
     return 0
 
 
@@ -345,6 +348,24 @@ def address_range(uintptr_t address, int device) -> tuple:
             _leave(ctx, prev)
     _check(rc, b"cuMemGetAddressRange_v2")
     return <uintptr_t>base, nbytes
+
+
+def dmabuf_fd(uintptr_t address, size_t nbytes, int device) -> int:
+    """A dma-buf file descriptor of device memory ``[address, address+nbytes)`` (both
+    aligned to the host page), for RDMA registration (cuMemGetHandleForAddressRange)."""
+    cdef CUcontext ctx = _context(device)
+    cdef CUcontext prev = NULL
+    cdef int fd = -1
+    cdef CUresult rc
+    if api.cuMemGetHandleForAddressRange == NULL:
+        raise _Error("this CUDA driver cannot export dma-buf handles (CUDA 11.7+ needed)")
+    with nogil:
+        rc = _enter(ctx, &prev)
+        if rc == CUDA_SUCCESS:
+            rc = api.cuMemGetHandleForAddressRange(&fd, <CUdeviceptr>address, nbytes, 1, 0)
+            _leave(ctx, prev)
+    _check(rc, b"cuMemGetHandleForAddressRange")
+    return fd
 
 
 # -- device memory (tests and tools; the engine registers what frameworks allocated) ----

@@ -67,10 +67,11 @@ class PDSettings:
     """Decode side: requests asked for at once."""
 
     def __post_init__(self) -> None:
-        if self.protocol not in ("tcp", "shm"):
-            raise ValueError(f"protocol {self.protocol!r}: this build moves bytes over "
-                             "'tcp' (shared memory between processes of one host is used "
-                             "automatically) or 'shm'")
+        if self.protocol not in ("tcp", "shm", "rdma"):
+            raise ValueError(f"protocol {self.protocol!r}: bytes move over 'tcp' (shared "
+                             "memory between processes of one host is used automatically), "
+                             "'rdma' (where the hosts have RDMA devices; tcp otherwise) or "
+                             "'shm'")
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port {self.side_channel_port} is not a port")
         for name in ("connect_timeout_s", "transfer_timeout_s", "pull_wait_s",

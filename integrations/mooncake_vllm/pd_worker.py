@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from mooncake_plugins.config import EngineConfig
+from mooncake_plugins.config import EngineConfig, apply_protocol
 from mooncake_plugins.errors import MooncakeError
 from mooncake_plugins.transfer import OpCode, TransferEngine, TransferRequest
 
@@ -88,6 +88,7 @@ class PDWorker:
         self._failed: set[str] = set()                           # req ids: pulls that failed
         self._stats = TransferStats()
         # tcp: shared memory to a peer on this host, tcp to others (as the store does);
+        # rdma: the same with rdma before tcp where both hosts have RDMA devices;
         # shm: shared memory only, for a host KV cache (a GPU one is the engine's choice)
         self._transport: str | None = None
 
@@ -98,6 +99,7 @@ class PDWorker:
         if s.protocol == "shm" and not self._layout.cuda_devices:
             self._transport = "shm"
         cfg = EngineConfig.from_env()
+        apply_protocol(cfg, s.protocol)
         cfg.transfer_timeout_s = s.transfer_timeout_s
         cfg.connect_timeout_s = s.connect_timeout_s
         self._engine = TransferEngine(s.local_hostname, s.metadata_server, config=cfg)

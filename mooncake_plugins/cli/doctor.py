@@ -66,10 +66,10 @@ def transports() -> list[tuple[str, str]]:
     for name in transport_names():
         if name == "cuda_ipc" and not cuda.available():
             rows.append((name, f"unavailable: {cuda.why_unavailable()}"))
+        elif name == "rdma":
+            rows.append((name, f"{rdma_devices()}; {rdma_nics()}"))
         else:
             rows.append((name, f"available ({path} data path)"))
-    if "rdma" not in transport_names():
-        rows.append(("rdma", f"no transport yet; {rdma_devices()}; {rdma_nics()}"))
     rows.append(("NIXL backend", nixl_state()))
     return rows
 

@@ -13,10 +13,11 @@ import os
 import threading
 from typing import Any, Callable
 
-from ..config import EngineConfig
+from ..config import EngineConfig, apply_protocol
 from ..errors import InvalidArgument, MooncakeError, TransportUnavailable, to_code
 from ..transfer.batch import Batch, OpCode, TransferRequest
 from ..transfer.engine import P2P, ManagedBuffer, TransferEngine as _Engine
+from ..transfer import verbs
 from ..transfer.nic_topology import NicTopology
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class TransferNotify:
         return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
 
 
-_PROTOCOLS = {"tcp": ["shm", "tcp"], "shm": ["shm", "tcp"]}
+_PROTOCOLS = ("tcp", "shm")
 FORCE_TCP_ENV = "MC_FORCE_TCP"
 
 
@@ -86,26 +87,27 @@ class TransferEngine:
     @_codes(-1)
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str,
                    device_name: str) -> int:
-        """Start serving; ``protocol`` is tcp (same-host peers use shm automatically).
+        """Start serving; ``protocol`` is tcp or rdma (same-host peers use shm
+        automatically; tcp remains rdma's fallback).
 
-        As in the original, ``rdma`` on a host without RDMA devices (always, on this
-        build) runs over tcp, and with ``MC_FORCE_TCP`` set (to any value) any protocol
-        does ("MC_FORCE_TCP is set, using TCP transport only"): SGLang PD asks for rdma
-        by default, and its ``mooncake_tcp`` backend sets MC_FORCE_TCP. Other protocols
-        are an error code.
+        As in the original, ``rdma`` on a host without RDMA devices runs over tcp, and
+        with ``MC_FORCE_TCP`` set (to any value) any protocol does ("MC_FORCE_TCP is set,
+        using TCP transport only"): SGLang PD asks for rdma by default, and its
+        ``mooncake_tcp`` backend sets MC_FORCE_TCP. Other protocols are an error code.
         """
-        if protocol not in _PROTOCOLS and (protocol == "rdma" or FORCE_TCP_ENV in os.environ):
-            why = f"{FORCE_TCP_ENV} is set" if FORCE_TCP_ENV in os.environ else \
-                "this build has no RDMA"
-            log.warning("protocol %r: %s, using tcp (shm between processes of one host)",
-                        protocol, why)
+        if protocol == "rdma" and FORCE_TCP_ENV not in os.environ and not verbs.available():
+            log.warning("protocol 'rdma': %s here, using tcp (shm between processes of one "
+                        "host)", verbs.why_unavailable())
             protocol = "tcp"
-        if protocol not in _PROTOCOLS:
+        elif protocol not in _PROTOCOLS and (protocol == "rdma" or FORCE_TCP_ENV in os.environ):
+            log.warning("protocol %r: %s is set, using tcp (shm between processes of one "
+                        "host)", protocol, FORCE_TCP_ENV)
+            protocol = "tcp"
+        if protocol not in _PROTOCOLS and protocol != "rdma":
             raise TransportUnavailable(f"protocol {protocol!r} is not available here "
-                                       f"(available: {sorted(_PROTOCOLS)})")
+                                       f"(available: {sorted(_PROTOCOLS) + ['rdma']})")
         cfg = EngineConfig.from_env()
-        if protocol == "tcp" and cfg.transports == ["shm", "tcp"]:
-            cfg.transports = _PROTOCOLS[protocol]
+        apply_protocol(cfg, protocol)
         try:
             self._engine = _Engine(local_hostname, metadata_server or P2P, config=cfg)
         except OSError as exc:  # e.g. the port is in use: a code, as the original returns

@@ -21,6 +21,7 @@ from ..config import parse_size
 from ..errors import InvalidParams, MooncakeError, NotSupported, ObjectAlreadyExists
 from ..store.client import ReplicateConfig as _Config, StoreClient
 from ..store.replicate_config import ObjectDataType, ReplicateConfig, SoftPinAction
+from ..transfer import verbs
 from ..transfer.memory import address_of
 from .engine import TransferEngine as CompatEngine
 from .store_dummy import _DummyMethods
@@ -169,8 +170,9 @@ class MooncakeDistributedStore(_TensorMethods, _TaskMethods, _DummyMethods):
                 raise NotSupported("tenants other than 'default' are not supported")
             if enable_client_http_server:
                 raise NotSupported("the client HTTP server is not supported")
-            if protocol == "rdma":
-                log.warning("rdma is not available on this build: using tcp (and shm on one host)")
+            if protocol == "rdma" and not verbs.available():
+                log.warning("rdma: %s here, using tcp (and shm on one host)",
+                            verbs.why_unavailable())
                 protocol = "tcp"
             inner = engine.get_engine() if isinstance(engine, CompatEngine) else engine
             self._hostname = str(local_hostname)

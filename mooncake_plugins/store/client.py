@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from ..config import EngineConfig
+from ..config import EngineConfig, apply_protocol
 from ..errors import (BufferTooSmall, ClientNotFound, InvalidArgument, InvalidParams, LeaseExpired,
                       MooncakeError, NotSupported, ObjectNotFound, RpcFailed, RpcTimeout,
                       SegmentAlreadyExists, StoreError, StoreTransferFailed, store_error)
@@ -254,7 +254,9 @@ class StoreClient(DerivedForms):
         master_address: ``host:port`` of the master, or ``etcd://h:p[;h:p]`` to follow the
             leader of an HA cluster (``cluster_id``).
         local_hostname, metadata_server, protocol: for the transfer engine (ignored when
-            ``engine`` is given). protocol "tcp" still uses shared memory for same-host peers.
+            ``engine`` is given). protocol "tcp" still uses shared memory for same-host peers
+            but never rdma, as the original's; "rdma" adds the rdma transport where this
+            host has an RDMA device (tcp stays its fallback).
         global_segment_size: bytes this client contributes to the pool (0: none).
         enable_ssd_offload, ssd_offload_path: also keep every object written here in a file
             under ``ssd_offload_path`` (the SSD tier; the master must run with
@@ -279,8 +281,8 @@ class StoreClient(DerivedForms):
                  cluster_id: str = "mooncake", rpc_timeout_s: float = 10.0,
                  transfer_timeout_s: float = 30.0, failover_timeout_s: float = 30.0,
                  segment_location: str = "cpu") -> None:
-        if protocol not in ("tcp", "shm"):
-            raise NotSupported(f"protocol {protocol!r} is not available here (tcp, shm)")
+        if protocol not in ("tcp", "shm", "rdma"):
+            raise NotSupported(f"protocol {protocol!r} is not available here (tcp, shm, rdma)")
         if global_segment_size < 0:
             raise InvalidParams("global_segment_size must be >= 0")
         if enable_ssd_offload and not ssd_offload_path:
@@ -318,6 +320,7 @@ class StoreClient(DerivedForms):
                 if segment_location.startswith("cuda"):
                     cuda.available()   # load the driver first: the engine then offers cuda_ipc
                 cfg = EngineConfig.from_env()
+                apply_protocol(cfg, protocol)
                 cfg.transfer_timeout_s = transfer_timeout_s
                 engine = TransferEngine(local_hostname, metadata_server, config=cfg)
             self.engine = engine

@@ -43,10 +43,11 @@ class ClientSettings:
         if ":" not in self.master_server_address:
             raise ValueError(f"master_server_address {self.master_server_address!r} is not "
                              "host:port or etcd://host:port")
-        if self.protocol not in ("tcp", "shm"):
-            raise ValueError(f"protocol {self.protocol!r}: this build moves bytes over "
-                             "'tcp' (shared memory between processes of one host is used "
-                             "automatically) or 'shm'")
+        if self.protocol not in ("tcp", "shm", "rdma"):
+            raise ValueError(f"protocol {self.protocol!r}: bytes move over 'tcp' (shared "
+                             "memory between processes of one host is used automatically), "
+                             "'rdma' (where the hosts have RDMA devices; tcp otherwise) or "
+                             "'shm'")
         if self.replica_num < 1:
             raise ValueError(f"replica_num must be >= 1, got {self.replica_num}")
         for name in ("transfer_timeout_s", "rpc_timeout_s"):

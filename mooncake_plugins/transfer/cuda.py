@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import platform
 import threading
@@ -623,6 +624,27 @@ def export_ipc(address: int) -> IpcHandle:
         raise
     return IpcHandle(handle, info.device, drv.device_pci_bus_id(info.device), info.base,
                      info.nbytes)
+
+
+def dmabuf_fd(address: int, nbytes: int) -> tuple[int, int]:
+    """``(fd, offset)``: a dma-buf of the page-aligned device range holding
+    ``[address, address+nbytes)`` and where ``address`` lies in it, for RDMA NICs
+    (``ibv_reg_dmabuf_mr``). The caller closes ``fd``.
+
+    Raises:
+        InvalidArgument: not device memory.
+        CudaError: the driver cannot export it (too old, or the GPU or memory cannot).
+    """
+    info = pointer_info(address)
+    if info.kind != "cuda":
+        raise InvalidArgument(f"0x{address:x} is {info.kind} memory, not CUDA device memory")
+    drv = _driver()
+    if not hasattr(drv, "dmabuf_fd"):
+        raise CudaError("this CUDA binding cannot export dma-buf handles")
+    page = mmap.PAGESIZE
+    start = max(info.base, address - address % page)
+    end = min(info.base + info.nbytes, -(-(address + nbytes) // page) * page)
+    return drv.dmabuf_fd(start, end - start, info.device), address - start
 
 
 class IpcDriver(Protocol):

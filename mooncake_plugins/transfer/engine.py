@@ -16,6 +16,7 @@ before ``Peer._lock``; RegionTable and Batch locks are leaves.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import logging
@@ -224,7 +225,9 @@ class TransferEngine:
         # the control client (describe, notify to peers' rpc ports); it moves data only
         # when its transport is also in config.transports
         self._control = registry.build_transport(registry.CONTROL, self.config)
-        implicit = list(self.config.transports) == list(DEFAULT_TRANSPORTS)
+        # the default list, or the original API's "tcp" form of it (apply_protocol)
+        implicit = list(self.config.transports) in (
+            list(DEFAULT_TRANSPORTS), [t for t in DEFAULT_TRANSPORTS if t != "rdma"])
         for name in dict.fromkeys(self.config.transports):
             if name == registry.CONTROL:
                 self._transports.append(self._control)
@@ -238,9 +241,13 @@ class TransferEngine:
             try:
                 self._transports.append(registry.build_transport(name, self.config))
             except TransportUnavailable as exc:
-                (log.debug if implicit and name in registry.OPT_IN else log.warning)(
+                (log.debug if implicit and name in registry.QUIET else log.warning)(
                     "transport %s disabled: %s", name, exc)
         self._transports = registry.rank(self._transports)  # best first: see _paths
+        for t in self._transports:
+            t.attach(self._control, segment_name)
+        # transports that publish something (rdma: its NICs) also key every registration
+        self._keyed = [t for t in self._transports if t.published()]
         # local GPU memory over the host-only ones, through pinned memory: offered for
         # slices from GPU memory where a CUDA driver is loaded, after every direct path
         # (see _moving; a host-memory slice never pays for the check)
@@ -323,9 +330,29 @@ class TransferEngine:
         else:
             info = RegionInfo(address, nbytes, location, readonly=readonly)
         region = self._regions.add(Region(info, keepalive=keepalive, private=private))
+        self._key(region)
         if not private:
             self._changed()
         return region
+
+    def _key(self, region: Region) -> None:
+        """Register a region just added with the transports that key registrations (before
+        it is published); on failure it is removed again."""
+        try:
+            for t in self._keyed:
+                keys = t.register_region(region.address, region.nbytes, region.info.location,
+                                         region.readonly, region.private)
+                if keys:
+                    region.info = dataclasses.replace(region.info, rkeys=keys)
+        except BaseException:
+            self._unkey(region.address)
+            self._regions.remove(region.address, 0)
+            raise
+
+    def _unkey(self, address: int) -> None:
+        """After a region is unpublished, before its memory goes: its keys stop working."""
+        for t in self._keyed:
+            t.unregister_region(address)
 
     def _cuda_region(self, address: int, nbytes: int, location: str,
                      readonly: bool) -> RegionInfo:
@@ -355,6 +382,7 @@ class TransferEngine:
         region = self._regions.remove(addr, wait_s)
         if not region.private:
             self._changed()  # peers learn first; the memory is let go last
+        self._unkey(addr)
         if hasattr(region.keepalive, "release"):
             region.keepalive.release()
 
@@ -373,6 +401,7 @@ class TransferEngine:
         try:
             region = self._regions.add(Region(RegionInfo(mf.export.address, nbytes, location, mf.fd),
                                               keepalive=mf.export))
+            self._key(region)
         except BaseException:
             mf.close()
             raise
@@ -393,6 +422,7 @@ class TransferEngine:
         with self._lock:
             _, mf = self._managed.pop(addr)
         self._changed()  # peers learn first; the memory is let go last
+        self._unkey(addr)
         mf.close()
 
     def is_registered(self, address: int, nbytes: int) -> bool:
@@ -430,9 +460,12 @@ class TransferEngine:
 
     def descriptor(self) -> SegmentDescriptor:
         """This engine's own descriptor, as peers see it."""
+        extra: dict[str, Any] = {}
+        for t in self._keyed:
+            extra.update(t.published())
         return SegmentDescriptor(self.segment_name, self.host, self.rpc_port, os.getpid(),
                                  host_id(), self._regions.epoch, self._epoch.fd, self.regions(),
-                                 self.paths)
+                                 self.paths, **extra)
 
     def _publish(self) -> None:
         if self._metadata is not None:
@@ -453,6 +486,11 @@ class TransferEngine:
                                      f"taken (take_notifies); refusing more")
                 self._notifies.append((msg["name"], msg["msg"]))
             return b""
+        for t in getattr(self, "_transports", ()):
+            if cmd in t.control_commands:
+                return t.serve_control(msg)
+        if cmd != "ping":
+            raise TransferError(f"this segment has no transport serving {cmd!r}")
         return b"pong"
 
     def notify(self, segment: str, name: str, msg: str) -> None:

@@ -10,6 +10,7 @@ Response: magic u32 | status i32 | req_id u64 | nbytes u64   (then nbytes of pay
 
 from __future__ import annotations
 
+import ipaddress
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,11 @@ CONTROL_COMMANDS = {
     "describe": {},
     "ping": {},
     "notify": {"name": str, "msg": str},
+    "rdma_connect": {"segment": str, "qps": list},
 }
+MAX_CONNECT_QPS = 64
+"""Queue pairs one ``rdma_connect`` may ask for."""
+_RDMA_MTUS = (256, 512, 1024, 2048, 4096)
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,8 @@ def unpack_bounded(payload: bytes, max_containers: int, **limits: int) -> Any:
 
 def decode_control(payload: bytes) -> dict[str, Any]:
     """Unpack and validate a control message against :data:`CONTROL_COMMANDS`."""
-    msg = unpack_bounded(payload, 1, max_bin_len=0, max_array_len=0, max_map_len=16)
+    msg = unpack_bounded(payload, 2 + MAX_CONNECT_QPS, max_bin_len=0,
+                         max_array_len=MAX_CONNECT_QPS, max_map_len=16)
     if not isinstance(msg, dict) or not isinstance(msg.get("cmd"), str):
         raise ProtocolError("control payload must be a map with a string 'cmd'")
     schema = CONTROL_COMMANDS.get(msg["cmd"])
@@ -146,4 +152,28 @@ def decode_control(payload: bytes) -> dict[str, Any]:
     for key, typ in schema.items():
         if not isinstance(msg.get(key), typ) or len(msg[key]) > 65536:
             raise ProtocolError(f"control command {msg['cmd']!r} needs {key}: {typ.__name__}")
+    if msg["cmd"] == "rdma_connect":
+        _check_qps(msg["qps"])
+    elif any(isinstance(v, list) for v in msg.values()):
+        raise ProtocolError(f"control command {msg['cmd']!r} takes no lists")
     return msg
+
+
+def _check_qps(qps: list) -> None:
+    """``rdma_connect``'s queue pairs: ``[peer NIC index, qpn, psn, GID text, LID, MTU]``."""
+    def u(x: Any, bits: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << bits
+
+    if not 0 < len(qps) <= MAX_CONNECT_QPS:
+        raise ProtocolError(f"rdma_connect asks for {len(qps)} queue pairs (1 to "
+                            f"{MAX_CONNECT_QPS})")
+    for qp in qps:
+        if (not isinstance(qp, list) or len(qp) != 6 or not u(qp[0], 4) or not u(qp[1], 24)
+                or not qp[1] or not u(qp[2], 24) or not isinstance(qp[3], str)
+                or len(qp[3]) > 64 or not u(qp[4], 16) or qp[5] not in _RDMA_MTUS
+                or not u(qp[5], 16)):
+            raise ProtocolError(f"rdma_connect has a malformed queue pair {qp!r:.200}")
+        try:
+            ipaddress.IPv6Address(qp[3])
+        except ValueError:
+            raise ProtocolError(f"rdma_connect has a bad GID {qp[3]!r}") from None

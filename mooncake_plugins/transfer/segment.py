@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import MAX_TCP_PATHS
+
+MAX_RDMA_NICS = 16
+"""RDMA NICs one descriptor may list."""
+RDMA_MTUS = (256, 512, 1024, 2048, 4096)
 from ..errors import AddressError, InvalidArgument, ProtocolError, RegionBusy
 from .cuda import IpcHandle
 
@@ -35,6 +39,9 @@ class RegionInfo:
     the same address for what it mapped before), and ``ipc``, the CUDA IPC handle of the
     allocation holding it (None where CUDA cannot export one, e.g. ``expandable_segments``
     memory): same-host peers open it once and copy device to device.
+
+    ``rkeys`` are the region's RDMA keys, one per NIC the descriptor's ``rdma`` lists
+    (empty where the owner has no rdma transport or could not register it).
     """
 
     address: int
@@ -44,6 +51,7 @@ class RegionInfo:
     readonly: bool = False
     generation: int = 0
     ipc: IpcHandle | None = None
+    rkeys: tuple[int, ...] = ()
 
     def contains(self, address: int, nbytes: int) -> bool:
         return self.address <= address and address + nbytes <= self.address + self.nbytes
@@ -226,6 +234,8 @@ class SegmentDescriptor:
     regions: list[RegionInfo] = field(default_factory=list)
     paths: tuple[str, ...] = ()
     """More addresses of the segment's host serving the same rpc port (tcp multi-path)."""
+    rdma: tuple[tuple[str, str, int, int], ...] = ()
+    """The segment's RDMA NICs: ``(device name, GID text, LID, active MTU in bytes)``."""
 
     def __post_init__(self) -> None:
         self.regions.sort(key=lambda r: r.address)
@@ -249,6 +259,8 @@ class SegmentDescriptor:
                 "regions": [_region_to_wire(r) for r in self.regions]}
         if self.paths:
             wire["paths"] = list(self.paths)
+        if self.rdma:
+            wire["rdma"] = [list(nic) for nic in self.rdma]
         return wire
 
     @classmethod
@@ -273,9 +285,17 @@ class SegmentDescriptor:
         if len(paths) > MAX_TCP_PATHS or not all(_is_ip(p) for p in paths):
             raise ProtocolError(f"segment descriptor has bad paths {paths[:MAX_TCP_PATHS + 1]!r}: "
                                 f"at most {MAX_TCP_PATHS} IP addresses")
+        rdma = tuple(_nic_from_wire(n) for n in need("rdma", list)[:MAX_RDMA_NICS + 1]) \
+            if isinstance(obj, dict) and "rdma" in obj else ()
+        if len(rdma) > MAX_RDMA_NICS:
+            raise ProtocolError(f"segment descriptor lists more than {MAX_RDMA_NICS} RDMA NICs")
+        if any(r.rkeys and len(r.rkeys) != len(rdma) for r in regions):
+            raise ProtocolError(f"segment descriptor has regions whose rdma keys do not match "
+                                f"its {len(rdma)} RDMA NICs")
         return cls(name=need("name", str), host=need("host", str), port=port, pid=pid,
                    host_id=need("host_id", str), epoch=need("epoch", int),
-                   epoch_memfd=need("epoch_memfd", int), regions=regions, paths=paths)
+                   epoch_memfd=need("epoch_memfd", int), regions=regions, paths=paths,
+                   rdma=rdma)
 
 
 def _is_ip(value: Any) -> bool:
@@ -288,13 +308,32 @@ def _is_ip(value: Any) -> bool:
     return True
 
 
+def _nic_from_wire(item: Any) -> tuple[str, str, int, int]:
+    """One RDMA NIC ``[name, gid text, lid, mtu]`` of a descriptor, checked."""
+    if (not isinstance(item, list) or len(item) != 4 or not isinstance(item[0], str)
+            or not 0 < len(item[0]) <= 64 or not isinstance(item[1], str)
+            or not _is_int(item[2]) or not 0 <= item[2] < 1 << 16 or item[3] not in RDMA_MTUS
+            or not _is_int(item[3])):
+        raise ProtocolError(f"segment descriptor has a malformed RDMA NIC {item!r:.200}")
+    try:
+        ipaddress.IPv6Address(item[1])
+    except ValueError:
+        raise ProtocolError(f"segment descriptor has an RDMA NIC with a bad GID "
+                            f"{item[1]!r:.64}") from None
+    return (item[0], item[1], item[2], item[3])
+
+
 def _region_to_wire(r: RegionInfo) -> list:
     """Host memory: ``[address, nbytes, location, memfd, readonly]`` (as before GPU memory);
-    GPU memory adds ``generation`` and the IPC handle's wire form (or None)."""
-    if r.generation == 0 and r.ipc is None:
+    GPU memory adds ``generation`` and the IPC handle's wire form (or None); RDMA keys,
+    where there are some, come eighth (after ``0, None`` for host memory)."""
+    if r.generation == 0 and r.ipc is None and not r.rkeys:
         return [r.address, r.nbytes, r.location, r.memfd, r.readonly]
-    return [r.address, r.nbytes, r.location, r.memfd, r.readonly, r.generation,
+    wire = [r.address, r.nbytes, r.location, r.memfd, r.readonly, r.generation,
             None if r.ipc is None else r.ipc.to_wire()]
+    if r.rkeys:
+        wire.append(list(r.rkeys))
+    return wire
 
 
 def _is_int(x: Any) -> bool:
@@ -303,7 +342,7 @@ def _is_int(x: Any) -> bool:
 
 def _region_from_wire(item: Any) -> RegionInfo:
     """One region of a descriptor from the wire, every field checked (ProtocolError)."""
-    if (not isinstance(item, list) or len(item) not in (5, 7)
+    if (not isinstance(item, list) or len(item) not in (5, 7, 8)
             or not all(_is_int(x) for x in (item[0], item[1], item[3]))
             or not isinstance(item[2], str) or not isinstance(item[4], bool)
             or len(item[2]) > 64):
@@ -313,8 +352,11 @@ def _region_from_wire(item: Any) -> RegionInfo:
     if len(item) == 5:
         return RegionInfo(*item)
     generation, wire = item[5], item[6]
+    rkeys = _rkeys_from_wire(item[7]) if len(item) == 8 else ()
     loc = item[2]
     is_cuda = loc[:4] == "cuda" and loc[4:5] in ("", ":")
+    if not is_cuda and rkeys and generation == 0 and wire is None:
+        return RegionInfo(*item[:5], rkeys=rkeys)
     if not _is_int(generation) or not 0 < generation <= MAX_ADDRESS or not is_cuda:
         raise ProtocolError(f"segment descriptor has a malformed GPU region {item[:6]!r}")
     ipc = None
@@ -327,4 +369,11 @@ def _region_from_wire(item: Any) -> RegionInfo:
         if not ipc.base <= item[0] or item[0] + item[1] > ipc.base + ipc.nbytes:
             raise ProtocolError(f"segment descriptor has a GPU region 0x{item[0]:x}+{item[1]} "
                                 f"outside its IPC allocation 0x{ipc.base:x}+{ipc.nbytes}")
-    return RegionInfo(item[0], item[1], loc, item[3], item[4], generation, ipc)
+    return RegionInfo(item[0], item[1], loc, item[3], item[4], generation, ipc, rkeys)
+
+
+def _rkeys_from_wire(value: Any) -> tuple[int, ...]:
+    if (not isinstance(value, list) or not 0 < len(value) <= MAX_RDMA_NICS
+            or not all(_is_int(k) and 0 <= k < 1 << 32 for k in value)):
+        raise ProtocolError(f"segment descriptor has malformed rdma keys {value!r:.200}")
+    return tuple(value)

@@ -3,13 +3,15 @@
 ``_native.verbs`` is built where libibverbs' headers were found at install; it dlopens
 ``libibverbs.so.1`` (or ``MOONCAKE_LIBIBVERBS``) at first use. Every way this can fail on
 a machine (module not built, library missing, a kernel without RDMA, no device) is one
-sentence from :func:`why_unavailable`, never a crash. Discovery only so far: the rdma
-transport (queue pairs, memory regions) is still to come (issue 26).
+sentence from :func:`why_unavailable`, never a crash. The rdma transport
+(``transports/rdma.py``) opens devices, memory regions and queue pairs through
+:func:`native`.
 """
 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import threading
 from typing import Any
 
@@ -79,3 +81,21 @@ def devices() -> list[dict[str, Any]]:
     if not _devices:
         raise RdmaUnavailable(_reason)
     return _devices
+
+
+def native() -> Any:
+    """The loaded ``_native.verbs`` module (RdmaUnavailable when RDMA is not usable)."""
+    devices()
+    from .._native import verbs as module
+    return module
+
+
+def mtu_bytes(enum: int) -> int:
+    """An ``ibv_mtu`` value (1..5) in bytes (256..4096); 0 when unknown."""
+    return {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}.get(enum, 0)
+
+
+def gid_bytes(text: str) -> bytes:
+    """A GID's 16 bytes from its text (``fe80:0000:...`` as sysfs and the library print
+    it, or any IPv6 form). ValueError when it is not one."""
+    return ipaddress.IPv6Address(text).packed

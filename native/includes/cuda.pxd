@@ -58,6 +58,10 @@ cdef enum:
 
 # One pointer type per entry point; the comment names the exported symbol.
 ctypedef CUresult (*cuInit_t)(unsigned int flags) noexcept nogil
+# CUDA 11.7+: CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1 exports a dma-buf fd of a range
+ctypedef CUresult (*cuMemGetHandleForAddressRange_t)(void *handle, CUdeviceptr dptr,
+                                                     size_t size, int handle_type,
+                                                     unsigned long long flags) noexcept nogil
 ctypedef CUresult (*cuDriverGetVersion_t)(int *version) noexcept nogil
 ctypedef CUresult (*cuGetErrorName_t)(CUresult error, const char **text) noexcept nogil
 ctypedef CUresult (*cuGetErrorString_t)(CUresult error, const char **text) noexcept nogil

@@ -1,7 +1,7 @@
 """What an RDMA machine offers, as our discovery sees it, beside the system's own tools.
 
-Run by tests/rdma/run.sh. No RDMA data path is built yet (issue 26: the rdma transport is to
-come), so this checks the groundwork a data path needs on real hardware: our device list
+Run by tests/rdma/run.sh, before datapath.py (the rdma transport itself). This checks the
+groundwork the data path stands on, on real hardware: our device list
 (NicTopology: devices with an ACTIVE port) and our verbs binding's (``transfer/verbs.py``:
 devices, ports, GID tables, against sysfs) beside ``ibv_devices`` and, where importable,
 pyverbs; each port's link layer and the GID our

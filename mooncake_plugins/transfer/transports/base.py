@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 import logging
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from ...config import PURE_PYTHON
 
@@ -117,6 +117,31 @@ class Transport(ABC):
         """
         for _, op, local, remote, n in slices:
             self.execute(peer, op, local, remote, n)
+
+    control_commands: ClassVar[frozenset[str]] = frozenset()
+    """Control commands of the rpc port this transport serves (see :meth:`serve_control`)."""
+
+    def attach(self, control: Any, segment: str) -> None:
+        """Given once by the engine: its control client (``control(host, port, cmd,
+        **fields)``) and its segment name, for transports that handshake with peers."""
+
+    def published(self) -> dict[str, Any]:
+        """Fields this transport adds to the engine's segment descriptor (default none)."""
+        return {}
+
+    def register_region(self, address: int, nbytes: int, location: str, readonly: bool,
+                        private: bool) -> tuple[int, ...]:
+        """Called for every region the engine registers, before it is published; returns
+        the keys peers need to reach it through this transport (default: none needed)."""
+        return ()
+
+    def unregister_region(self, address: int) -> None:
+        """Called once the region at ``address`` is unpublished, before its memory is let
+        go: afterwards no peer may reach it through this transport."""
+
+    def serve_control(self, msg: dict) -> bytes:
+        """Serve a validated control message whose ``cmd`` is in ``control_commands``."""
+        raise NotImplementedError(msg["cmd"])
 
     def forget(self, peer: Peer) -> None:
         """Drop cached connections or mappings of a peer (it went away or changed)."""

@@ -25,10 +25,14 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "tcp": ("mooncake_plugins.transfer.transports.tcp", "TcpTransport"),
     "shm": ("mooncake_plugins.transfer.transports.shm", "ShmTransport"),
     "cuda_ipc": ("mooncake_plugins.transfer.transports.cuda_ipc", "CudaIpcTransport"),
+    "rdma": ("mooncake_plugins.transfer.transports.rdma", "RdmaTransport"),
 }
 OPT_IN = frozenset({"cuda_ipc"})
 """Transports of the default list that an engine builds only where their device is already
 in use (CUDA: a driver loaded in the process), silently skipped elsewhere."""
+QUIET = frozenset({"cuda_ipc", "rdma"})
+"""Transports of the default list whose absence (no device here) is logged at debug level:
+most machines have neither."""
 _LOCK = threading.Lock()
 
 CONTROL = "tcp"

@@ -45,8 +45,9 @@ def test_sglang_settings_skip_the_dynamic_loader_keys():
         sglang_settings({"tenant_id": "x"})
     with pytest.raises(ValueError, match=r"\['global_segment_size'\]: bad size"):
         sglang_settings({"global_segment_size": "lots"})
-    with pytest.raises(ValueError, match="protocol 'rdma'"):
-        sglang_settings({"protocol": "rdma"})
+    with pytest.raises(ValueError, match="protocol 'efa'"):
+        sglang_settings({"protocol": "efa"})
+    assert sglang_settings({"protocol": "rdma"}).protocol == "rdma"
 
 
 class _FakeFactory:

@@ -27,8 +27,9 @@ def test_settings_convert_and_name_bad_fields():
         from_extra_config(StoreSettings, {"global_segment_size": "4 GBs"}, "X")
     with pytest.raises(ValueError, match=r"\['replica_num'\]: expected an integer"):
         from_extra_config(StoreSettings, {"replica_num": 1.5}, "X")
-    with pytest.raises(ValueError, match="protocol 'rdma'"):
-        from_extra_config(StoreSettings, {"protocol": "rdma"}, "X")
+    with pytest.raises(ValueError, match="protocol 'efa'"):
+        from_extra_config(StoreSettings, {"protocol": "efa"}, "X")
+    assert from_extra_config(StoreSettings, {"protocol": "rdma"}, "X").protocol == "rdma"
     with pytest.raises(ValueError, match="not host:port"):
         from_extra_config(StoreSettings, {"master_server_address": "localhost"}, "X")
 
