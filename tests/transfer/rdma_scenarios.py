@@ -240,6 +240,42 @@ def link_down() -> None:
     print("ok")
 
 
+def path_pause() -> None:
+    """A path whose request fails (VERBS_DOUBLE_FAIL_AFTER=5) is paused: the transfer
+    completes over the other NIC pair, the next one uses only that pair, and after the
+    pause (1 s here) both carry bytes again."""
+    logs = Logs()
+    with engine(path_pause_s=1.0) as a, engine(path_pause_s=1.0) as b:
+        n = 4 * MiB
+        dst = a.allocate(n)
+        src = b.allocate(n)
+        data = random.randbytes(n)
+        src.view()[:] = data
+        b.write(a.segment_name, src.address, dst.address, n)
+        assert bytes(dst.view()) == data
+        stats = b.path_stats()
+        paused = [p for p, st in stats.items() if st["paused"]]
+        assert len(paused) == 1 and stats[paused[0]]["failures"] == 1, stats
+        assert logs.take("failed (transport retry counter exceeded)") == 1
+
+        def moved() -> dict[str, int]:
+            return {p: st["bytes"] for p, st in b.path_stats().items()}
+
+        before = moved()
+        b.write(a.segment_name, src.address, dst.address, n)
+        grew = {p for p, k in moved().items() if k > before.get(p, 0)}
+        assert grew == set(stats) - set(paused), (grew, paused)
+        time.sleep(1.1)
+        before = moved()
+        b.write(a.segment_name, src.address, dst.address, n)
+        grew = {p for p, k in moved().items() if k > before.get(p, 0)}
+        assert grew == set(stats), (grew, stats)
+        assert not any(st["paused"] for st in b.path_stats().values())
+        assert bytes(dst.view()) == data
+    assert live() == 0, live()
+    print("ok")
+
+
 def peer(*args: str):
     """``peer.py`` in its own process with rdma as its only transport (helpers.LineChild)."""
     from helpers import LineChild

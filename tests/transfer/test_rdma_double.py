@@ -52,6 +52,10 @@ def test_link_down_mid_transfer_is_retried_on_a_new_connection(tmp_path):
     run("link_down", tmp_path, VERBS_DOUBLE_FAIL_AFTER="5")
 
 
+def test_a_failed_path_is_paused_and_used_again_after(tmp_path):
+    run("path_pause", tmp_path, VERBS_DOUBLE_FAIL_AFTER="5")
+
+
 def test_peer_killed(tmp_path):
     out = run("peer_killed", tmp_path, clean=False)  # the killed peer's objects stay
     assert "dead peer:" in out

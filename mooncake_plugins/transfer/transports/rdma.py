@@ -35,6 +35,7 @@ import logging
 import os
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -80,23 +81,40 @@ class _Nic:
         return [self.dev.name, self.gid_text, self.dev.lid, verbs.mtu_bytes(self.dev.active_mtu)]
 
 
+class _Path:
+    """One (our NIC, the peer's NIC) pair, as this initiator has seen it perform."""
+
+    __slots__ = ("name", "pair", "rate", "inflight", "bytes", "paused_until", "failures")
+
+    def __init__(self, name: str, pair: tuple[int, int]) -> None:
+        self.name, self.pair = name, pair
+        self.rate = 0.0          # bytes/s it delivered, smoothed (0: not measured yet)
+        self.inflight = 0        # bytes posted on it and not completed
+        self.bytes = 0           # bytes it moved
+        self.paused_until = 0.0  # monotonic time before which no connection uses it
+        self.failures = 0
+
+
 @dataclass
 class _Qp:
     nic: _Nic
     qp: Any  # _native.verbs.QueuePair
     remote_nic: int
+    path: _Path
+    outstanding: int = 0  # bytes posted here and not completed
     slots: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(QP_DEPTH))
 
 
 class _Connection:
-    """Our queue pairs to one peer process; ``broken`` ones are closed once drained."""
+    """Our queue pairs to one peer process over its live paths; ``broken`` ones are closed
+    once drained."""
 
     def __init__(self, key: str, qps: list[_Qp]) -> None:
         self.key = key
         self.qps = qps
+        self.pairs = frozenset(q.path.pair for q in qps)
         self.broken = False
         self.users = 0
-        self.turn = itertools.count()
 
     def close(self) -> None:
         for q in self.qps:
@@ -136,15 +154,17 @@ class RdmaTransport(Transport):
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "RdmaTransport":
-        return cls(timeout_s=config.transfer_timeout_s, devices=config.rdma_devices or None)
+        return cls(timeout_s=config.transfer_timeout_s, devices=config.rdma_devices or None,
+                   path_pause_s=config.path_pause_s)
 
     def __init__(self, timeout_s: float = 30.0, devices: list[str] | None = None,
-                 qps_per_path: int = 2, sysfs: str = SYSFS) -> None:
+                 qps_per_path: int = 2, path_pause_s: float = 5.0, sysfs: str = SYSFS) -> None:
         found = verbs.devices()  # RdmaUnavailable with the reason when there is none
         native = verbs.native()
         forced = gid_index()
         self._timeout_s = timeout_s
         self._qps_per_path = qps_per_path
+        self._path_pause_s = path_pause_s
         self._nics: list[_Nic] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -176,8 +196,8 @@ class RdmaTransport(Transport):
         self._accepted: dict[str, list[Any]] = {}  # initiator segment -> its QPs here
         self._accepted_count = 0
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[_Waiter, int, _Qp]] = {}
-        self._moved: dict[str, int] = {}
+        self._pending: dict[int, tuple[_Waiter, int, _Qp, int]] = {}
+        self._paths: dict[tuple[str, int, int], _Path] = {}
         self._pollers = [threading.Thread(target=self._poll, args=(nic,), daemon=True,
                                           name=f"mc-rdma-{nic.dev.name}") for nic in self._nics]
         for t in self._pollers:
@@ -317,11 +337,12 @@ class RdmaTransport(Transport):
         self.execute_many(peer, [(0, op, local_address, remote_address, nbytes)])
 
     def execute_many(self, peer: Peer, slices: list[tuple[int, int, int, int, int]]) -> None:
-        """Post every slice, spread over the connection's queue pairs; wait for all."""
+        """Post every slice on the path that will finish it soonest; wait for all."""
         if self._closed:
             raise TransferError("the rdma transport is closed")
         conn = self._connection(peer)
         try:
+            t0 = time.monotonic()
             waiter, placement = self._post(peer, conn, slices)
             if not waiter.done.wait(self._timeout_s):
                 self._break(conn, f"no completion within {self._timeout_s} s")
@@ -332,52 +353,76 @@ class RdmaTransport(Transport):
                                           f"{self._timeout_s} s")
                     exc.completed = frozenset(p for p, s in waiter.status.items() if s == 0)  # type: ignore[attr-defined]
                     raise exc
-            self._count(conn, waiter, placement, slices)
-            self._check(peer, conn, waiter, slices)
+            self._measure(waiter, placement, slices, time.monotonic() - t0)
+            self._check(peer, conn, waiter, placement, slices)
         finally:
             self._release(conn)
 
-    def _count(self, conn: _Connection, waiter: _Waiter, placement: list[int],
-               slices: list[tuple[int, int, int, int, int]]) -> None:
-        moved: dict[str, int] = {}
+    def _measure(self, waiter: _Waiter, placement: list[_Qp],
+                 slices: list[tuple[int, int, int, int, int]], seconds: float) -> None:
+        """Fold what each path moved for this batch into its smoothed rate."""
+        moved: dict[_Path, int] = {}
         for pos, status in waiter.status.items():
             if status == 0:
-                q = conn.qps[placement[pos]]
-                path = f"rdma:{q.nic.dev.name}->{conn.key}#{q.remote_nic}"
+                path = placement[pos].path
                 moved[path] = moved.get(path, 0) + slices[pos][4]
+        if seconds <= 0:
+            return
         with self._lock:
             for path, n in moved.items():
-                self._moved[path] = self._moved.get(path, 0) + n
+                sample = n / seconds
+                path.rate = sample if not path.rate else 0.7 * path.rate + 0.3 * sample
 
     def path_stats(self) -> dict[str, dict[str, Any]]:
-        """Bytes moved per path (``rdma:<our NIC>-><peer>#<its NIC index>``)."""
+        """Per path (``rdma:<our NIC>-><peer>#<its NIC index>``): bytes moved, smoothed
+        rate (GB/s), paused, failures."""
+        now = time.monotonic()
         with self._lock:
-            return {path: {"bytes": n} for path, n in self._moved.items()}
+            return {p.name: {"bytes": p.bytes, "gbps": p.rate / 1e9,
+                             "paused": p.paused_until > now, "failures": p.failures}
+                    for p in self._paths.values()}
+
+    def _place(self, conn: _Connection, n: int) -> _Qp:
+        """The queue pair for an ``n``-byte slice: on the path that finishes it soonest
+        (bytes in flight over its rate; an unmeasured path counts as fast as the best),
+        then its least loaded queue pair. Called under ``self._lock``."""
+        rates = [q.path.rate for q in conn.qps if q.path.rate > 0]
+        unmeasured = max(rates) if rates else 1.0
+        qp = min(conn.qps, key=lambda q: ((q.path.inflight + n) / (q.path.rate or unmeasured),
+                                          q.outstanding))
+        qp.path.inflight += n
+        qp.outstanding += n
+        return qp
 
     def _post(self, peer: Peer, conn: _Connection, slices: list[tuple[int, int, int, int, int]]
-              ) -> tuple[_Waiter, list[int]]:
-        """Post the slices round robin over the queue pairs; the waiter and each slice's
-        queue pair."""
+              ) -> tuple[_Waiter, list[_Qp]]:
+        """Place and post the slices (one chained list per queue pair); the waiter and
+        each slice's queue pair."""
         desc = peer.descriptor
-        by_qp: dict[int, list[tuple]] = {}
-        placement: list[int] = []
-        n_qps = len(conn.qps)
-        start = next(conn.turn)
+        work: list[tuple[int, bool, int, int, int, tuple[int, ...]]] = []
         for pos, (_, op, local, remote, n) in enumerate(slices):
             write = op == OP_WRITE
             region = desc.find(remote, n, write)
-            q = (start + pos) % n_qps
-            placement.append(q)
-            qp = conn.qps[q]
             if not region.rkeys:
                 raise TransferError(f"segment {desc.name!r} registered 0x{region.address:x} "
                                     f"without rdma keys")
-            by_qp.setdefault(q, []).append(
-                (pos, write, local, n, self._lkey(local, n, qp.nic.index), remote,
-                 region.rkeys[qp.remote_nic]))
+            work.append((pos, write, local, n, remote, region.rkeys))
+        with self._lock:
+            placement = [self._place(conn, w[3]) for w in work]
+        by_qp: dict[int, tuple[_Qp, list[tuple]]] = {}
+        try:
+            for (pos, write, local, n, remote, rkeys), qp in zip(work, placement):
+                by_qp.setdefault(id(qp), (qp, []))[1].append(
+                    (pos, write, local, n, self._lkey(local, n, qp.nic.index), remote,
+                     rkeys[qp.remote_nic]))
+        except BaseException:
+            with self._lock:
+                for (_, _, _, n, _, _), qp in zip(work, placement):
+                    qp.path.inflight -= n
+                    qp.outstanding -= n
+            raise
         waiter = _Waiter(len(slices))
-        for q, items in by_qp.items():
-            qp = conn.qps[q]
+        for qp, items in by_qp.values():
             wrs = []
             for item in items:
                 if not qp.slots.acquire(timeout=self._timeout_s):  # QP_DEPTH per queue pair
@@ -387,7 +432,7 @@ class RdmaTransport(Transport):
                     break
                 wr_id = next(self._ids)
                 with self._lock:
-                    self._pending[wr_id] = (waiter, item[0], qp)
+                    self._pending[wr_id] = (waiter, item[0], qp, item[3])
                 wrs.append((wr_id, *item[1:]))
             try:
                 ok = qp.qp.post(wrs)
@@ -398,6 +443,9 @@ class RdmaTransport(Transport):
                 with self._lock:
                     for wr in wrs[ok:]:
                         self._pending.pop(wr[0], None)
+                    for item in items[ok:]:
+                        qp.path.inflight -= item[3]
+                        qp.outstanding -= item[3]
                 for wr in wrs[ok:]:
                     qp.slots.release()
                     qp.nic.credits.release()
@@ -406,7 +454,7 @@ class RdmaTransport(Transport):
                 self._break(conn, why)
         return waiter, placement
 
-    def _check(self, peer: Peer, conn: _Connection, waiter: _Waiter,
+    def _check(self, peer: Peer, conn: _Connection, waiter: _Waiter, placement: list[_Qp],
                slices: list[tuple[int, int, int, int, int]]) -> None:
         failed = {p: s for p, s in waiter.status.items() if s != 0}
         if not failed:
@@ -416,6 +464,8 @@ class RdmaTransport(Transport):
         first = min(failed.items(), key=lambda kv: (kv[1] == native.WC_WR_FLUSH_ERR, kv[0]))
         pos, status = first
         what = native.WC_STATUS.get(status, f"status {status}") if status >= 0 else "not posted"
+        if status not in (native.WC_WR_FLUSH_ERR, native.WC_REM_ACCESS_ERR, -1):
+            self._pause(placement[pos].path, what)  # its own failure, not a refusal
         self._break(conn, what)
         _, op, _, remote, n = slices[pos]
         if status == native.WC_REM_ACCESS_ERR:
@@ -448,7 +498,12 @@ class RdmaTransport(Transport):
                     entry = self._pending.pop(wr_id, None)
                 if entry is None:
                     continue
-                waiter, pos, qp = entry
+                waiter, pos, qp, n = entry
+                with self._lock:
+                    qp.path.inflight -= n
+                    qp.outstanding -= n
+                    if status == 0:
+                        qp.path.bytes += n
                 qp.slots.release()
                 qp.nic.credits.release()
                 waiter.complete(pos, status)
@@ -459,54 +514,89 @@ class RdmaTransport(Transport):
             gone = [(w, e) for w, e in self._pending.items() if e[0] is waiter]
             for wr_id, _ in gone:
                 del self._pending[wr_id]
-        for _, (_, _, qp) in gone:
+        for _, (_, _, qp, n) in gone:
+            with self._lock:
+                qp.path.inflight -= n
+                qp.outstanding -= n
             qp.slots.release()
             qp.nic.credits.release()
 
     # -- connections ---------------------------------------------------------------------
+    def _live_pairs(self, key: str, remote: int) -> frozenset[tuple[int, int]]:
+        """The (our NIC, its NIC) pairs to use for a peer with ``remote`` NICs: NIC k of
+        ours with NIC k of its (modulo the smaller count), those not paused."""
+        now = time.monotonic()
+        pairs = {(k % len(self._nics), k % remote) for k in range(max(len(self._nics), remote))}
+        with self._lock:
+            return frozenset(p for p in pairs
+                             if self._path(key, p).paused_until <= now)
+
+    def _path(self, key: str, pair: tuple[int, int]) -> _Path:
+        path = self._paths.get((key, *pair))
+        if path is None:
+            name = f"rdma:{self._nics[pair[0]].dev.name}->{key}#{pair[1]}"
+            path = self._paths[(key, *pair)] = _Path(name, pair)
+        return path
+
+    def _pause(self, path: _Path, why: str) -> None:
+        with self._lock:
+            path.paused_until = time.monotonic() + self._path_pause_s
+            path.failures += 1
+        log.warning("%s failed (%s): its slices go to the other paths, and it is tried "
+                    "again in %.1f s", path.name, why, self._path_pause_s)
+
     def _connection(self, peer: Peer) -> _Connection:
+        """Our connection to the peer over every live path; made again when a path was
+        paused (a failure) or came back."""
         desc = peer.descriptor
         key = f"{desc.name}@{desc.pid}"
+        wanted = self._live_pairs(key, len(desc.rdma))
         with self._lock:
             conn = self._conns.get(key)
-            if conn is not None and not conn.broken:
+            if conn is not None and not conn.broken and conn.pairs == wanted:
                 conn.users += 1
                 return conn
             gate = self._connecting.setdefault(key, threading.Lock())
         with gate:
             with self._lock:
                 conn = self._conns.get(key)
-                if conn is not None and not conn.broken:
+                if conn is not None and not conn.broken and conn.pairs == wanted:
                     conn.users += 1
                     return conn
-            conn = self._connect(peer, key)
+            if conn is not None and not conn.broken:
+                self._retire(conn)  # a path came back (or went): a connection with all of them
+            if not wanted:
+                raise TransferError(f"every rdma path to {peer.name!r} is paused after "
+                                    f"failures (tried again within {self._path_pause_s} s)")
+            conn = self._connect(peer, key, wanted)
             with self._lock:
                 self._conns[key] = conn
                 conn.users += 1
             return conn
 
-    def _connect(self, peer: Peer, key: str) -> _Connection:
+    def _connect(self, peer: Peer, key: str, pairs: frozenset[tuple[int, int]]) -> _Connection:
         if self._control is None:
             raise TransferError("the rdma transport has no control client (the engine "
                                 "attaches one)")
         desc = peer.descriptor
         remote = desc.rdma
-        pairs = [(k % len(self._nics), k % len(remote))
-                 for k in range(max(len(self._nics), len(remote)))]
         qps: list[_Qp] = []
         entries, psns = [], []
         try:
-            for local, far in pairs:
+            for local, far in sorted(pairs):
                 nic = self._nics[local]
+                with self._lock:
+                    path = self._path(key, (local, far))
                 for _ in range(self._qps_per_path):
                     qp = nic.dev.create_qp(QP_DEPTH)
-                    qps.append(_Qp(nic, qp, far))
+                    qps.append(_Qp(nic, qp, far, path))
                     psn = random.getrandbits(24)
                     psns.append(psn)
                     entries.append([far, qp.qp_num, psn, nic.gid_text, nic.dev.lid,
                                     verbs.mtu_bytes(nic.dev.active_mtu)])
             raw = self._control.control(desc.host, desc.port, "rdma_connect",
-                                  segment=self._segment or f"pid{os.getpid()}", qps=entries)
+                                        segment=self._segment or f"pid{os.getpid()}",
+                                        qps=entries)
             answer = _parse_reply(raw, len(entries))
             for q, psn, (qpn, far_psn) in zip(qps, psns, answer):
                 name, gid_text, lid, mtu = remote[q.remote_nic]
@@ -519,6 +609,16 @@ class RdmaTransport(Transport):
         log.info("rdma connected to %s: %d queue pairs over %d NIC pairs", key, len(qps),
                  len(pairs))
         return _Connection(key, qps)
+
+    def _retire(self, conn: _Connection) -> None:
+        """Replace ``conn`` without an error: closed once its batches are done."""
+        with self._lock:
+            conn.broken = True
+            if self._conns.get(conn.key) is conn:
+                del self._conns[conn.key]
+            close = conn.users == 0
+        if close:
+            conn.close()
 
     def attach(self, control: Any, segment: str) -> None:
         """The engine's control client (for ``rdma_connect``) and our segment name."""
