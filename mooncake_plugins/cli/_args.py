@@ -48,7 +48,8 @@ def os_reason(exc: BaseException) -> str:
 def install_hint(exc: ImportError) -> str:
     """How to install the module whose import failed (its extra, where it has one)."""
     name = (exc.name or "").split(".")[0]
-    extra = {"etcd3gw": "etcd", "redis": "redis", "matplotlib": "sim"}.get(name)
+    extra = {"etcd3gw": "etcd", "redis": "redis", "matplotlib": "sim",
+             "aiohttp": "conductor"}.get(name)
     if extra:
         return f"pip install 'mooncake_plugins[{extra}]'"
     return f"pip install {name}" if name else "reinstall mooncake_plugins"

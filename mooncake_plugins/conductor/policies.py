@@ -9,6 +9,8 @@ Policies:
 
 ``random``
     a uniformly random prefill instance.
+``round_robin``
+    the prefill instances in turn.
 ``load_balance``
     the prefill instance with the least queued work.
 ``cache_aware``
@@ -276,6 +278,22 @@ class RandomPolicy(Policy):
         return self._with_pool(request, view, self._rng.randrange(view.num_prefill))
 
 
+class RoundRobinPolicy(Policy):
+    """The prefill instances in turn (the state is the policy's own counter)."""
+
+    name = "round_robin"
+
+    def __init__(self, cost: CostModel) -> None:
+        super().__init__(cost)
+        self._next = 0
+
+    def choose(self, request: PrefixRequest, view: ClusterView) -> Decision:
+        """Pick the next prefill instance (see :meth:`Policy.choose`)."""
+        instance = self._next % view.num_prefill
+        self._next = instance + 1
+        return self._with_pool(request, view, instance)
+
+
 class LoadBalancePolicy(Policy):
     """Prefill instance with the least queued work (lowest index on ties)."""
 
@@ -364,8 +382,9 @@ class ConductorPolicy(Policy):
         return Decision(instance, decode, pull_from, reused, ttft_s, tbt_s, reason)
 
 
-POLICY_NAMES: tuple[str, ...] = (RandomPolicy.name, LoadBalancePolicy.name,
-                                 CacheAwarePolicy.name, ConductorPolicy.name)
+POLICY_NAMES: tuple[str, ...] = (RandomPolicy.name, RoundRobinPolicy.name,
+                                 LoadBalancePolicy.name, CacheAwarePolicy.name,
+                                 ConductorPolicy.name)
 
 
 def make_policy(name: str, cost: CostModel, slo: Slo, *, seed: int = 0,
@@ -388,6 +407,8 @@ def make_policy(name: str, cost: CostModel, slo: Slo, *, seed: int = 0,
     """
     if name == RandomPolicy.name:
         return RandomPolicy(cost, seed)
+    if name == RoundRobinPolicy.name:
+        return RoundRobinPolicy(cost)
     if name == LoadBalancePolicy.name:
         return LoadBalancePolicy(cost)
     if name == CacheAwarePolicy.name:

@@ -41,8 +41,8 @@ def test_cli_compare_plot_and_json(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:2] == ["policy", "hit"]
-    assert [line.split()[0] for line in lines[1:]] == ["random", "load_balance", "cache_aware",
-                                                       "conductor"]
+    assert [line.split()[0] for line in lines[1:]] == ["random", "round_robin", "load_balance",
+                                                       "cache_aware", "conductor"]
     report = json.loads(out.read_text())
     assert [r["policy"] for r in report["results"]] == [line.split()[0] for line in lines[1:]]
     assert len(report["cache_sweep"]["conductor"]) == 8

@@ -1,0 +1,101 @@
+"""``mooncake-conductor serve``: the Conductor as a router in front of vLLM instances.
+
+    mooncake-conductor serve --instance http://127.0.0.1:8100 --instance http://127.0.0.1:8200 \\
+        --policy conductor --slo-ttft 2 --slo-tbt 0.1 --port 8000
+
+An instance is ``URL`` (an ordinary engine) or ``URL@prefill`` / ``URL@decode`` (a P/D
+pair's sides); ``--config FILE`` takes ``{"instances": [{"url": ..., "role": ...}]}`` too.
+Instances can be added, drained and removed while it runs (``/instances``). Clients talk
+to it as to vLLM's OpenAI server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from mooncake_plugins.cli._args import ArgumentParser, install_hint, port
+from mooncake_plugins.conductor.costmodel import CostModel
+from mooncake_plugins.conductor.policies import POLICY_NAMES, Slo, make_policy
+from mooncake_plugins.errors import InvalidArgument
+
+
+def _instance(text: str) -> tuple[str, str]:
+    url, _, role = text.partition("@")
+    return url, role or "both"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = ArgumentParser(prog="mooncake-conductor",
+                            description="The Conductor: a KV-cache-aware router for vLLM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="route OpenAI requests over vLLM instances")
+    serve.add_argument("--instance", action="append", default=[], type=_instance,
+                       metavar="URL[@ROLE]", help="a vLLM OpenAI server; ROLE: both "
+                       "(default), prefill or decode")
+    serve.add_argument("--config", help="JSON file: {\"instances\": [{\"url\", \"role\"}]}")
+    serve.add_argument("--policy", choices=POLICY_NAMES, default="conductor")
+    serve.add_argument("--slo-ttft", type=float, default=30.0, help="TTFT objective, s")
+    serve.add_argument("--slo-tbt", type=float, default=0.1, help="TBT objective, s")
+    serve.add_argument("--no-early-reject", action="store_true",
+                       help="conductor: serve every request even when predicted late")
+    serve.add_argument("--cost-model", help="JSON file of CostModel fields (a calibration)")
+    serve.add_argument("--block-tokens", type=int, default=16,
+                       help="tokens per KV block: the engines' --block-size")
+    serve.add_argument("--decode-max-batch", type=int, default=256,
+                       help="the engines' --max-num-seqs")
+    serve.add_argument("--cache-blocks", type=int, default=1 << 20,
+                       help="blocks remembered per instance (least recently routed dropped)")
+    serve.add_argument("--tokenizer", help="Hugging Face tokenizer of the model, for exact "
+                       "prompt lengths (else about 4 bytes a token)")
+    serve.add_argument("--retries", type=int, default=2,
+                       help="other instances tried when one cannot be reached")
+    serve.add_argument("--health-interval", type=float, default=2.0)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=port, default=8000)
+    serve.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from aiohttp import web
+
+        from mooncake_plugins.conductor.router.instances import Pool
+        from mooncake_plugins.conductor.router.prompts import Hasher, hf_tokenizer
+        from mooncake_plugins.conductor.router.server import Router, RouterConfig
+    except ImportError as exc:
+        sys.exit(f"mooncake-conductor: {exc}: {install_hint(exc)}")
+    instances = list(args.instance)
+    try:
+        if args.config:
+            with open(args.config) as f:
+                conf = json.load(f)
+            instances += [(i["url"], i.get("role", "both")) for i in conf.get("instances", [])]
+        cost = CostModel()
+        if args.cost_model:
+            with open(args.cost_model) as f:
+                cost = CostModel(**json.load(f))
+        slo = Slo(args.slo_ttft, args.slo_tbt)
+        policy = make_policy(args.policy, cost, slo, early_reject=not args.no_early_reject)
+        pool = Pool(args.cache_blocks)
+        for url, role in instances:
+            pool.add(url, role)
+        tokenize = hf_tokenizer(args.tokenizer) if args.tokenizer else None
+    except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as exc:
+        sys.exit(f"mooncake-conductor: {exc}")
+    if not len(pool):
+        logging.warning("no instance yet: add some with POST /instances")
+    router = Router(RouterConfig(policy, slo, cost, args.block_tokens, args.decode_max_batch,
+                                 args.retries, args.health_interval),
+                    Hasher(args.block_tokens, tokenize), pool)
+    web.run_app(router.app(), host=args.host, port=args.port, print=lambda *a: None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The instances behind the router, their roles and what the router knows of their load.
+
+An instance is a vLLM OpenAI server: ``both`` (prefill and decode, an ordinary engine),
+``prefill`` (a P/D producer) or ``decode`` (a P/D consumer). The router learns each one's
+load from what it has in flight there (requests waiting for their first token, requests
+decoding) and its cache from the prompts it routed there (block ids, least recently used
+dropped past ``cache_blocks``). Instances are added, drained (no new requests; those in
+flight finish) and removed at run time; a failed request or health check takes one out
+until its ``/health`` answers again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass
+class _Flight:
+    started_s: float
+    prefill_s: float          # predicted prefill time (queue excluded)
+    context_tokens: int
+    hash_ids: tuple[int, ...] = ()
+    first_token: bool = False
+
+
+@dataclass
+class Instance:
+    """One engine and what the router knows of it."""
+
+    url: str
+    role: str = "both"
+    healthy: bool = True
+    draining: bool = False
+    failures: int = 0
+    flights: dict[int, _Flight] = field(default_factory=dict)
+    decoding: dict[int, int] = field(default_factory=dict)   # request -> context tokens
+    blocks: OrderedDict[int, float] = field(default_factory=OrderedDict)  # id -> ready at
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def queue_s(self, now: float) -> float:
+        """Seconds of prefill ahead of a new request: the predicted prefill time of every
+        request still waiting for its first token, less what the oldest has run."""
+        waiting = [f for f in self.flights.values() if not f.first_token]
+        if not waiting:
+            return 0.0
+        oldest = min(f.started_s for f in waiting)
+        return max(0.0, sum(f.prefill_s for f in waiting) - (now - oldest))
+
+    def prefix(self, hash_ids: Iterable[int]) -> tuple[int, float]:
+        """Leading blocks of ``hash_ids`` this instance holds, and when the last is ready."""
+        count, ready = 0, 0.0
+        for h in hash_ids:
+            at = self.blocks.get(h)
+            if at is None:
+                break
+            count, ready = count + 1, max(ready, at)
+        return count, ready
+
+    def learn(self, hash_ids: Iterable[int], ready_s: float, capacity: int) -> None:
+        for h in hash_ids:
+            self.blocks[h] = min(self.blocks.get(h, ready_s), ready_s)
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > capacity:
+            self.blocks.popitem(last=False)
+
+    def describe(self) -> dict:
+        return {"url": self.url, "role": self.role, "healthy": self.healthy,
+                "draining": self.draining, "in_flight": len(self.flights),
+                "decoding": len(self.decoding), "cached_blocks": len(self.blocks)}
+
+
+class Pool:
+    """The instances, by URL, in the order they were added."""
+
+    def __init__(self, cache_blocks: int = 1 << 20) -> None:
+        self.cache_blocks = cache_blocks
+        self._by_url: dict[str, Instance] = {}
+
+    def add(self, url: str, role: str = "both") -> Instance:
+        """Add (or re-add, undraining) the instance at ``url``; ValueError on bad input."""
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"instance URL {url!r} must start with http:// or https://")
+        if role not in ROLES:
+            raise ValueError(f"instance role {role!r} must be one of {', '.join(ROLES)}")
+        inst = self._by_url.get(url)
+        if inst is None:
+            inst = self._by_url[url] = Instance(url, role)
+        inst.role, inst.draining = role, False
+        return inst
+
+    def get(self, url: str) -> Instance:
+        inst = self._by_url.get(url.rstrip("/"))
+        if inst is None:
+            raise KeyError(f"no instance {url!r}")
+        return inst
+
+    def drain(self, url: str) -> Instance:
+        inst = self.get(url)
+        inst.draining = True
+        return inst
+
+    def remove(self, url: str) -> Instance:
+        return self._by_url.pop(self.get(url).url)
+
+    def __iter__(self):
+        return iter(list(self._by_url.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_url)
+
+    def disaggregated(self) -> bool:
+        """Whether prefill and decode run on different instances (any P/D role present)."""
+        return any(i.role != "both" for i in self._by_url.values())
+
+    def prefill_side(self) -> list[Instance]:
+        return [i for i in self if i.usable and i.role in ("both", "prefill")]
+
+    def decode_side(self) -> list[Instance]:
+        if not self.disaggregated():
+            return self.prefill_side()
+        return [i for i in self if i.usable and i.role in ("both", "decode")]
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()

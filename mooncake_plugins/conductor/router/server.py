@@ -1,0 +1,345 @@
+"""The router's HTTP front (aiohttp): OpenAI completions and chat completions, streaming
+or not, routed by a policy; instance administration; Prometheus metrics.
+
+Per request: validate it (400 with a message), hash its prompt (:mod:`.prompts`), take a
+:class:`~.view.LiveView`, let the policy choose. A rejected request gets 429 with
+``Retry-After``. Otherwise it goes to the chosen instance (``both`` instances), or, where
+instances have P/D roles, first to the chosen prefill instance for one token with
+``kv_transfer_params: {"do_remote_decode": true, ...}`` and then to the chosen decode
+instance with the handle the prefill returned (what our P/D connector and vLLM's in-tree
+Mooncake/NIXL connectors expect). An instance that cannot be reached before it answered
+is taken out (until its ``/health`` answers) and the request is chosen again, up to
+``retries`` times; one that fails mid-answer ends the answer with an error (a streamed
+answer gets a final ``data: {"error": ...}`` event).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
+(the first usable instance's), ``GET /instances``, ``POST /instances`` (``{"url", "role"}``:
+add or undrain), ``POST /instances/drain`` and ``DELETE /instances`` (``{"url"}``),
+``GET /health``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+import aiohttp
+from aiohttp import web
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               generate_latest)
+
+from ..costmodel import CostModel
+from ..policies import Decision, Policy, Slo
+from .instances import Instance, Pool, _Flight
+from .prompts import BadRequest, Hasher, RoutedRequest
+from .view import LiveView
+
+log = logging.getLogger(__name__)
+
+PD_KEYS = ("do_remote_prefill", "do_remote_decode", "transfer_id", "remote_engine_id",
+           "remote_host", "remote_port", "remote_ports", "remote_tp_size",
+           "remote_block_size", "prompt_digest", "remote_block_ids", "remote_request_id")
+"""kv_transfer_params keys a prefill's answer hands to the decode (ours, vLLM's Mooncake
+and NIXL connectors)."""
+
+
+@dataclass
+class RouterConfig:
+    """How the router decides and behaves."""
+
+    policy: Policy
+    slo: Slo
+    cost: CostModel
+    block_tokens: int = 16
+    decode_max_batch: int = 256
+    retries: int = 2
+    health_interval_s: float = 2.0
+    request_timeout_s: float = 600.0
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.routed = Counter("conductor_routed_total", "Requests sent to an instance",
+                              ["instance", "side"], registry=self.registry)
+        self.rejected = Counter("conductor_rejected_total", "Requests refused early (429)",
+                                registry=self.registry)
+        self.failed = Counter("conductor_failed_total", "Requests that ended in an error "
+                              "after routing", ["instance"], registry=self.registry)
+        self.hit_tokens = Counter("conductor_hit_tokens_total", "Prompt tokens the chosen "
+                                  "instance was predicted to hold", registry=self.registry)
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("conductor_ttft_seconds", "Measured time to the first byte of "
+                              "the answer", ["instance"], buckets=buckets,
+                              registry=self.registry)
+        self.predicted = Histogram("conductor_predicted_ttft_seconds", "The policy's TTFT "
+                                   "estimate", ["instance"], buckets=buckets,
+                                   registry=self.registry)
+
+
+class Router:
+    """The routing state: instances, policy, metrics; :meth:`app` serves it."""
+
+    def __init__(self, config: RouterConfig, hasher: Hasher, pool: Pool | None = None) -> None:
+        self.config = config
+        self.hasher = hasher
+        self.pool = pool or Pool()
+        self.metrics = _Metrics()
+        self._ids = itertools.count(1)
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- decisions -----------------------------------------------------------------------
+    def decide(self, req: RoutedRequest) -> tuple[Decision, LiveView]:
+        view = LiveView(self.pool, self.config.block_tokens, self.config.decode_max_batch)
+        if not view.prefill or not view.decode:
+            raise web.HTTPServiceUnavailable(text=json.dumps({"error": "no usable instance"}),
+                                             content_type="application/json")
+        return self.config.policy.choose(req, view), view
+
+    def admit(self, rid: int, req: RoutedRequest, decision: Decision, view: LiveView
+              ) -> tuple[Instance, Instance]:
+        prefill = view.prefill[decision.prefill]
+        # engines that prefill and decode (no P/D roles) decode where they prefilled
+        decode = view.decode[decision.decode] if self.pool.disaggregated() else prefill
+        now = self.pool.now()
+        cached = min(decision.reused_blocks * self.config.block_tokens, req.input_length)
+        prefill.flights[rid] = _Flight(now, self.config.cost.prefill_s(req.input_length, cached),
+                                       req.input_length, tuple(req.hash_ids))
+        ready = now + decision.predicted_ttft_s
+        prefill.learn(req.hash_ids, ready, self.pool.cache_blocks)
+        if decode is not prefill:
+            decode.learn(req.hash_ids, ready, self.pool.cache_blocks)
+            decode.decoding[rid] = req.input_length
+        self.metrics.hit_tokens.inc(cached)
+        self.metrics.predicted.labels(prefill.url).observe(decision.predicted_ttft_s)
+        return prefill, decode
+
+    def first_token(self, rid: int, inst: Instance) -> None:
+        flight = inst.flights.get(rid)
+        if flight is not None and not flight.first_token:
+            flight.first_token = True
+            inst.decoding[rid] = flight.context_tokens
+            inst.learn(flight.hash_ids, self.pool.now(), self.pool.cache_blocks)  # computed
+
+    def finish(self, rid: int, *instances: Instance) -> None:
+        for inst in instances:
+            inst.flights.pop(rid, None)
+            inst.decoding.pop(rid, None)
+
+    def take_out(self, inst: Instance, why: str) -> None:
+        if inst.healthy:
+            log.warning("instance %s taken out: %s", inst.url, why)
+        inst.healthy = False
+        inst.failures += 1
+
+    # -- HTTP ----------------------------------------------------------------------------
+    async def route(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return _error(400, "the body must be JSON")
+        try:
+            req = self.hasher.request(request.path, body)
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        tried: set[str] = set()
+        for _ in range(self.config.retries + 1):
+            decision, view = self.decide(req)
+            if decision.rejected:
+                self.metrics.rejected.inc()
+                late = decision.predicted_ttft_s - self.config.slo.ttft_s
+                return _error(429, f"rejected early: {decision.reject_reason}",
+                              {"Retry-After": str(max(1, math.ceil(late)))})
+            rid = next(self._ids)
+            prefill, decode = self.admit(rid, req, decision, view)
+            log.debug("request %d (%d tokens, %d cached): prefill %s, decode %s, predicted "
+                      "TTFT %.3f s", rid, req.input_length,
+                      decision.reused_blocks * self.config.block_tokens, prefill.url,
+                      decode.url, decision.predicted_ttft_s)
+            try:
+                if decode is prefill:
+                    return await self._forward(request, body, rid, prefill, "both")
+                params = await self._prefill(request, body, rid, prefill)
+                return await self._forward(request, dict(body, kv_transfer_params=params),
+                                           rid, decode, "decode", started=prefill)
+            except _Unreachable as exc:
+                tried.add(exc.instance.url)
+                self.take_out(exc.instance, str(exc))
+            finally:
+                self.finish(rid, prefill, decode)
+        return _error(502, f"no instance could take the request (tried {sorted(tried)})")
+
+    async def _prefill(self, request: web.Request, body: dict, rid: int,
+                       inst: Instance) -> dict | None:
+        """The prefill leg of a P/D request: one token; the decode's kv_transfer_params."""
+        first = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        first["max_tokens"] = 1
+        if "max_completion_tokens" in first:
+            first["max_completion_tokens"] = 1
+        first["kv_transfer_params"] = {"do_remote_decode": True,
+                                       "transfer_id": uuid.uuid4().hex}
+        self.metrics.routed.labels(inst.url, "prefill").inc()
+        try:
+            async with self._http().post(inst.url + request.path, json=first) as resp:
+                if resp.status != 200:
+                    raise web.HTTPBadGateway(text=await resp.text())
+                answer = await resp.json()
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise _Unreachable(inst, f"prefill: {exc!r}") from exc
+        self.first_token(rid, inst)
+        handed = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(handed, dict) or not handed.get("do_remote_prefill"):
+            return None   # the prefill kept nothing: the decode computes the prompt
+        return {k: handed[k] for k in PD_KEYS if k in handed}
+
+    async def _forward(self, request: web.Request, body: dict, rid: int, inst: Instance,
+                       side: str, started: Instance | None = None) -> web.StreamResponse:
+        """Send ``body`` to ``inst`` and relay its answer as it comes."""
+        self.metrics.routed.labels(inst.url, side).inc()
+        t0 = time.perf_counter()
+        try:
+            resp = await self._http().post(inst.url + request.path, json=body)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise _Unreachable(inst, repr(exc)) from exc
+        out = web.StreamResponse(status=resp.status,
+                                 headers={"Content-Type": resp.headers.get(
+                                     "Content-Type", "application/json")})
+        first = True
+        try:
+            try:
+                chunk = await resp.content.readany()
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                raise _Unreachable(inst, repr(exc)) from exc   # nothing relayed yet
+            await out.prepare(request)
+            while chunk:
+                if first:
+                    first = False
+                    self.metrics.ttft.labels(inst.url).observe(time.perf_counter() - t0)
+                    self.first_token(rid, started or inst)
+                await out.write(chunk)
+                chunk = await resp.content.readany()
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError,
+                aiohttp.ClientPayloadError) as exc:
+            self.metrics.failed.labels(inst.url).inc()
+            self.take_out(inst, f"failed mid-answer: {exc!r}")
+            text = f"instance {inst.url} failed mid-answer: {exc!r}"
+            await out.write((f"data: {json.dumps({'error': text})}\n\n" if
+                             "event-stream" in out.headers["Content-Type"]
+                             else json.dumps({"error": text})).encode())
+        finally:
+            resp.release()
+        await out.write_eof()
+        return out
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+                total=self.config.request_timeout_s, sock_connect=5))
+        return self._session
+
+    # -- administration ------------------------------------------------------------------
+    async def instances(self, request: web.Request) -> web.Response:
+        if request.method == "GET":
+            return web.json_response([i.describe() for i in self.pool])
+        try:
+            body = await request.json()
+            url = body["url"]
+            if not isinstance(url, str):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return _error(400, 'the body must be {"url": ..., "role": ...}')
+        try:
+            if request.method == "POST" and request.path.endswith("/drain"):
+                inst = self.pool.drain(url)
+            elif request.method == "POST":
+                inst = self.pool.add(url, body.get("role", "both"))
+            else:
+                inst = self.pool.remove(url)
+        except KeyError as exc:
+            return _error(404, str(exc))
+        except ValueError as exc:
+            return _error(400, str(exc))
+        return web.json_response(inst.describe())
+
+    async def models(self, request: web.Request) -> web.Response:
+        for inst in self.pool:
+            if inst.usable:
+                try:
+                    async with self._http().get(inst.url + "/v1/models") as resp:
+                        return web.Response(status=resp.status, body=await resp.read(),
+                                            content_type="application/json")
+                except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
+                    continue
+        return _error(503, "no usable instance")
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health(self, request: web.Request) -> web.Response:
+        usable = sum(i.usable for i in self.pool)
+        return web.json_response({"instances": len(self.pool), "usable": usable},
+                                 status=200 if usable else 503)
+
+    async def _check_health(self) -> None:
+        """Ask every instance's /health now and then: one that answers comes back."""
+        timeout = aiohttp.ClientTimeout(total=2)
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            for inst in self.pool:
+                try:
+                    async with self._http().get(inst.url + "/health", timeout=timeout) as r:
+                        ok = r.status == 200
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    ok = False
+                if ok and not inst.healthy:
+                    log.info("instance %s is back", inst.url)
+                    inst.healthy = True
+                elif not ok:
+                    self.take_out(inst, "health check failed")
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        task_key = web.AppKey("health", asyncio.Task)
+
+        async def start(app: web.Application) -> None:
+            app[task_key] = asyncio.create_task(self._check_health())
+
+        async def stop(app: web.Application) -> None:
+            app[task_key].cancel()
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
+
+        app.on_startup.append(start)
+        app.on_cleanup.append(stop)
+        app.router.add_post("/v1/completions", self.route)
+        app.router.add_post("/v1/chat/completions", self.route)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/instances", self.instances)
+        app.router.add_post("/instances", self.instances)
+        app.router.add_post("/instances/drain", self.instances)
+        app.router.add_delete("/instances", self.instances)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        return app
+
+
+class _Unreachable(Exception):
+    """An instance failed before any of its answer was relayed: choose again."""
+
+    def __init__(self, instance: Instance, why: str) -> None:
+        super().__init__(why)
+        self.instance = instance
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status,
+                             headers=headers)
+
+

@@ -1,0 +1,59 @@
+"""A TEST DOUBLE of a vLLM OpenAI server, for the router's logic tests: it records the
+bodies it receives and answers completions (JSON or a stream of server-sent events) after
+``delay_s``; it can die in the middle of a streamed answer (``die_mid_stream``) and, as a
+P/D prefill side, answers with a kv_transfer_params handle. Real vLLM engines behind the
+router are tested in tests/integrations/vllm/test_conductor_router.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+HANDLE = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "t1",
+          "remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 7,
+          "remote_block_size": 16, "not_for_decode": 1}
+
+
+class OpenAIDouble:
+    def __init__(self, name: str, delay_s: float = 0.0, chunks: int = 3,
+                 die_mid_stream: bool = False, prefill: bool = False) -> None:
+        self.name, self.delay_s, self.chunks = name, delay_s, chunks
+        self.die_mid_stream, self.prefill = die_mid_stream, prefill
+        self.seen: list[dict[str, Any]] = []
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(body)
+        await asyncio.sleep(self.delay_s)
+        if not body.get("stream"):
+            answer: dict[str, Any] = {"id": self.name, "choices": [{"text": self.name}]}
+            if self.prefill:
+                answer["kv_transfer_params"] = HANDLE
+            return web.json_response(answer)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(self.chunks):
+            await out.write(f"data: {json.dumps({'id': self.name, 'n': i})}\n\n".encode())
+            if self.die_mid_stream:
+                request.transport.close()   # the engine process died
+                return out
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "double"}]})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        return app

@@ -1,0 +1,237 @@
+"""The router's logic over stand-in OpenAI servers (``openai_double.py``): where requests
+go under each policy, early rejection, failover, P/D handles, streaming, bad input and
+the instance administration. Real vLLM behind it: tests/integrations/vllm."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from contextlib import AsyncExitStack
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiohttp")
+from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
+
+from mooncake_plugins.conductor.costmodel import CostModel  # noqa: E402
+from mooncake_plugins.conductor.policies import Slo, make_policy  # noqa: E402
+from mooncake_plugins.conductor.router.instances import Pool  # noqa: E402
+from mooncake_plugins.conductor.router.prompts import Hasher  # noqa: E402
+from mooncake_plugins.conductor.router.server import PD_KEYS, Router, RouterConfig  # noqa: E402
+from openai_double import HANDLE, OpenAIDouble  # noqa: E402
+
+PREFIX = "You are a helpful assistant. " * 40   # about 300 tokens, 19 blocks of 16
+
+
+def router(policy: str, instances: list[tuple[str, str]], slo: Slo = Slo(30, 1),
+           cost: CostModel | None = None, **kw: Any) -> Router:
+    cost = cost or CostModel()
+    pool = Pool()
+    for url, role in instances:
+        pool.add(url, role)
+    return Router(RouterConfig(make_policy(policy, cost, slo), slo, cost, block_tokens=16,
+                               health_interval_s=0.2, **kw), Hasher(16), pool)
+
+
+async def serve(stack: AsyncExitStack, double: OpenAIDouble) -> str:
+    server = await stack.enter_async_context(TestServer(double.app()))
+    return str(server.make_url("")).rstrip("/")
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def complete(prompt: str, **kw: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": prompt, "max_tokens": 8, **kw}
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "conductor"])
+def test_requests_sharing_a_prefix_go_where_it_is(policy):
+    async def main() -> None:
+        a, b = OpenAIDouble("a"), OpenAIDouble("b")
+        async with AsyncExitStack() as stack:
+            urls = [await serve(stack, a), await serve(stack, b)]
+            r = router(policy, [(u, "both") for u in urls])
+            client = await stack.enter_async_context(TestClient(TestServer(r.app())))
+            first = await client.post("/v1/completions", json=complete(PREFIX + "question 0"))
+            owner = (await first.json())["id"]
+            for i in range(1, 6):
+                resp = await client.post("/v1/completions", json=complete(PREFIX + f"q {i}"))
+                assert resp.status == 200
+                assert (await resp.json())["id"] == owner
+            assert len((a if owner == "a" else b).seen) == 6
+
+    run(main())
+
+
+def test_round_robin_alternates():
+    async def main() -> None:
+        a, b = OpenAIDouble("a"), OpenAIDouble("b")
+        async with AsyncExitStack() as stack:
+            urls = [await serve(stack, a), await serve(stack, b)]
+            client = await stack.enter_async_context(TestClient(TestServer(
+                router("round_robin", [(u, "both") for u in urls]).app())))
+            ids = []
+            for i in range(6):
+                resp = await client.post("/v1/completions", json=complete(PREFIX + str(i)))
+                ids.append((await resp.json())["id"])
+            assert ids == ["a", "b"] * 3
+
+    run(main())
+
+
+def test_overload_is_rejected_early_with_retry_after():
+    async def main() -> None:
+        slow = OpenAIDouble("a", delay_s=1.0)
+        async with AsyncExitStack() as stack:
+            url = await serve(stack, slow)
+            # each ~300-token prompt is predicted to take 0.3 s of prefill: with a 0.7 s TTFT
+            # objective the third one queued is predicted late and refused at once
+            cost = CostModel(prefill_fixed_s=0.0, prefill_s_per_token=1e-3,
+                             prefill_s_per_token_sq=0.0)
+            r = router("conductor", [(url, "both")], slo=Slo(0.7, 1.0), cost=cost)
+            client = await stack.enter_async_context(TestClient(TestServer(r.app())))
+            sends = [client.post("/v1/completions", json=complete(f"{i} " + PREFIX))
+                     for i in range(4)]
+            answers = await asyncio.gather(*sends)
+            codes = sorted(a.status for a in answers)
+            assert codes == [200, 200, 429, 429], codes
+            refused = next(a for a in answers if a.status == 429)
+            assert int(refused.headers["Retry-After"]) >= 1
+            assert "predicted TTFT" in (await refused.json())["error"]["message"]
+            assert len(slow.seen) == 2
+            page = await (await client.get("/metrics")).text()
+            assert "conductor_rejected_total 2.0" in page
+
+    run(main())
+
+
+def test_an_unreachable_instance_is_taken_out_and_the_request_served_elsewhere():
+    async def main() -> None:
+        live = OpenAIDouble("live")
+        async with AsyncExitStack() as stack:
+            url = await serve(stack, live)
+            dead = "http://127.0.0.1:9"   # discard port: nothing listens
+            r = router("round_robin", [(dead, "both"), (url, "both")])
+            client = await stack.enter_async_context(TestClient(TestServer(r.app())))
+            for i in range(4):
+                resp = await client.post("/v1/completions", json=complete(str(i)))
+                assert resp.status == 200 and (await resp.json())["id"] == "live"
+            state = {i["url"]: i for i in await (await client.get("/instances")).json()}
+            assert state[dead]["healthy"] is False and state[url]["healthy"] is True
+
+    run(main())
+
+
+def test_an_instance_dying_mid_stream_ends_the_stream_with_an_error():
+    async def main() -> None:
+        dying = OpenAIDouble("d", die_mid_stream=True)
+        async with AsyncExitStack() as stack:
+            url = await serve(stack, dying)
+            r = router("round_robin", [(url, "both")])
+            client = await stack.enter_async_context(TestClient(TestServer(r.app())))
+            resp = await client.post("/v1/completions", json=complete("x", stream=True))
+            text = await resp.text()
+            assert text.startswith('data: {"id": "d", "n": 0}')
+            last = json.loads(text.strip().split("\n\n")[-1][len("data: "):])
+            assert "failed mid-answer" in last["error"]
+            assert (await (await client.get("/instances")).json())[0]["healthy"] is False
+
+    run(main())
+
+
+def test_a_stream_is_relayed_intact():
+    async def main() -> None:
+        up = OpenAIDouble("s", chunks=5)
+        async with AsyncExitStack() as stack:
+            url = await serve(stack, up)
+            client = await stack.enter_async_context(TestClient(TestServer(
+                router("load_balance", [(url, "both")]).app())))
+            resp = await client.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            events = (await resp.text()).strip().split("\n\n")
+            assert events[-1] == "data: [DONE]" and len(events) == 6
+
+    run(main())
+
+
+def test_pd_requests_carry_the_prefill_handle_to_the_decode():
+    async def main() -> None:
+        p, d = OpenAIDouble("p", prefill=True), OpenAIDouble("d")
+        async with AsyncExitStack() as stack:
+            pu, du = await serve(stack, p), await serve(stack, d)
+            client = await stack.enter_async_context(TestClient(TestServer(
+                router("conductor", [(pu, "prefill"), (du, "decode")]).app())))
+            resp = await client.post("/v1/completions", json=complete("hello", stream=True))
+            assert resp.status == 200 and "data: [DONE]" in await resp.text()
+            (first,) = p.seen
+            assert first["max_tokens"] == 1 and "stream" not in first
+            assert first["kv_transfer_params"]["do_remote_decode"] is True
+            (second,) = d.seen
+            assert second["kv_transfer_params"] == {k: v for k, v in HANDLE.items()
+                                                    if k in PD_KEYS}
+            assert second["max_tokens"] == 8 and second["stream"] is True
+
+    run(main())
+
+
+@pytest.mark.parametrize("body,why", [
+    (b"{not json", "JSON"),
+    (b"[1, 2]", "JSON object"),
+    (json.dumps({"model": "m"}).encode(), "'prompt'"),
+    (json.dumps({"prompt": [1, "a"]}).encode(), "'prompt'"),
+    (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "'stream'"),
+    (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), "'max_tokens'"),
+])
+def test_malformed_requests_get_400(body, why):
+    async def main() -> None:
+        up = OpenAIDouble("a")
+        async with AsyncExitStack() as stack:
+            url = await serve(stack, up)
+            client = await stack.enter_async_context(TestClient(TestServer(
+                router("conductor", [(url, "both")]).app())))
+            resp = await client.post("/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+            assert resp.status == 400 and why in (await resp.json())["error"]["message"]
+            resp = await client.post("/v1/chat/completions", json={"messages": []})
+            assert resp.status == 400
+            assert up.seen == []
+
+    run(main())
+
+
+def test_instances_are_added_drained_and_removed_at_run_time():
+    async def main() -> None:
+        a, b = OpenAIDouble("a"), OpenAIDouble("b")
+        async with AsyncExitStack() as stack:
+            ua, ub = await serve(stack, a), await serve(stack, b)
+            client = await stack.enter_async_context(TestClient(TestServer(
+                router("round_robin", [(ua, "both")]).app())))
+            assert (await client.post("/instances", json={"url": ub})).status == 200
+            assert (await client.post("/instances", json={"url": ub, "role": "x"})).status == 400
+            assert (await client.post("/instances", json={"url": "ftp://h"})).status == 400
+            assert (await client.post("/instances/drain", json={"url": "http://no"})).status == 404
+            assert (await client.post("/instances/drain", json={"url": ua})).status == 200
+            for i in range(3):
+                resp = await client.post("/v1/completions", json=complete(str(i)))
+                assert (await resp.json())["id"] == "b"
+            assert (await client.delete("/instances", json={"url": ub})).status == 200
+            resp = await client.post("/v1/completions", json=complete("z"))
+            assert resp.status == 503   # a drained one left only
+            assert (await client.get("/health")).status == 503
+
+    run(main())
+
+
+def test_the_command_line_refuses_bad_instances_in_one_line():
+    out = subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
+                          "serve", "--instance", "ftp://h:1"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        "mooncake-conductor: instance URL 'ftp://h:1' must start with http:// or https://"]

