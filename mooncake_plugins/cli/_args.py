@@ -49,7 +49,7 @@ def install_hint(exc: ImportError) -> str:
     """How to install the module whose import failed (its extra, where it has one)."""
     name = (exc.name or "").split(".")[0]
     extra = {"etcd3gw": "etcd", "redis": "redis", "matplotlib": "sim",
-             "aiohttp": "conductor"}.get(name)
+             "aiohttp": "conductor", "zmq": "conductor"}.get(name)
     if extra:
         return f"pip install 'mooncake_plugins[{extra}]'"
     return f"pip install {name}" if name else "reinstall mooncake_plugins"

@@ -22,9 +22,17 @@ from mooncake_plugins.conductor.policies import POLICY_NAMES, Slo, make_policy
 from mooncake_plugins.errors import InvalidArgument
 
 
-def _instance(text: str) -> tuple[str, str]:
-    url, _, role = text.partition("@")
-    return url, role or "both"
+def _instance(text: str) -> tuple[str, str, str | None]:
+    """``URL[@ROLE][,events=ENDPOINT]``."""
+    head, _, opts = text.partition(",")
+    url, _, role = head.partition("@")
+    events = None
+    if opts:
+        key, _, events = opts.partition("=")
+        if key != "events" or not events:
+            raise argparse.ArgumentTypeError(f"expected URL[@ROLE][,events=tcp://HOST:PORT], "
+                                             f"got {text!r}")
+    return url, role or "both", events
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -33,9 +41,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="route OpenAI requests over vLLM instances")
     serve.add_argument("--instance", action="append", default=[], type=_instance,
-                       metavar="URL[@ROLE]", help="a vLLM OpenAI server; ROLE: both "
-                       "(default), prefill or decode")
-    serve.add_argument("--config", help="JSON file: {\"instances\": [{\"url\", \"role\"}]}")
+                       metavar="URL[@ROLE][,events=ENDPOINT]", help="a vLLM OpenAI "
+                       "server; ROLE: both (default), prefill or decode; ENDPOINT: where it "
+                       "publishes KV events (its --kv-events-config endpoint)")
+    serve.add_argument("--config", help="JSON file: {\"instances\": [{\"url\", \"role\", "
+                       "\"kv_events\"}]}")
     serve.add_argument("--policy", choices=POLICY_NAMES, default="conductor")
     serve.add_argument("--slo-ttft", type=float, default=30.0, help="TTFT objective, s")
     serve.add_argument("--slo-tbt", type=float, default=0.1, help="TBT objective, s")
@@ -53,6 +63,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--retries", type=int, default=2,
                        help="other instances tried when one cannot be reached")
     serve.add_argument("--health-interval", type=float, default=2.0)
+    serve.add_argument("--kv-events-timeout", type=float, default=30.0,
+                       help="forget an instance's cache when its KV events stop this long "
+                            "while it serves")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=port, default=8000)
     serve.add_argument("--log-level", default="INFO")
@@ -76,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.config:
             with open(args.config) as f:
                 conf = json.load(f)
-            instances += [(i["url"], i.get("role", "both")) for i in conf.get("instances", [])]
+            instances += [(i["url"], i.get("role", "both"), i.get("kv_events"))
+                          for i in conf.get("instances", [])]
         cost = CostModel()
         if args.cost_model:
             with open(args.cost_model) as f:
@@ -84,15 +98,16 @@ def main(argv: list[str] | None = None) -> None:
         slo = Slo(args.slo_ttft, args.slo_tbt)
         policy = make_policy(args.policy, cost, slo, early_reject=not args.no_early_reject)
         pool = Pool(args.cache_blocks)
-        for url, role in instances:
-            pool.add(url, role)
+        for url, role, events in instances:
+            pool.add(url, role, events)
         tokenize = hf_tokenizer(args.tokenizer) if args.tokenizer else None
     except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as exc:
         sys.exit(f"mooncake-conductor: {exc}")
     if not len(pool):
         logging.warning("no instance yet: add some with POST /instances")
     router = Router(RouterConfig(policy, slo, cost, args.block_tokens, args.decode_max_batch,
-                                 args.retries, args.health_interval),
+                                 args.retries, args.health_interval,
+                                 kv_events_timeout_s=args.kv_events_timeout),
                     Hasher(args.block_tokens, tokenize), pool)
     web.run_app(router.app(), host=args.host, port=args.port, print=lambda *a: None)
 

@@ -34,6 +34,8 @@ class Instance:
 
     url: str
     role: str = "both"
+    kv_events: str | None = None
+    """ZMQ endpoint of the engine's KV events (``tcp://host:port``), when it publishes them."""
     healthy: bool = True
     draining: bool = False
     failures: int = 0
@@ -72,7 +74,8 @@ class Instance:
             self.blocks.popitem(last=False)
 
     def describe(self) -> dict:
-        return {"url": self.url, "role": self.role, "healthy": self.healthy,
+        return {"url": self.url, "role": self.role, "kv_events": self.kv_events,
+                "healthy": self.healthy,
                 "draining": self.draining, "in_flight": len(self.flights),
                 "decoding": len(self.decoding), "cached_blocks": len(self.blocks)}
 
@@ -84,17 +87,22 @@ class Pool:
         self.cache_blocks = cache_blocks
         self._by_url: dict[str, Instance] = {}
 
-    def add(self, url: str, role: str = "both") -> Instance:
+    def add(self, url: str, role: str = "both", kv_events: str | None = None) -> Instance:
         """Add (or re-add, undraining) the instance at ``url``; ValueError on bad input."""
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"instance URL {url!r} must start with http:// or https://")
         if role not in ROLES:
             raise ValueError(f"instance role {role!r} must be one of {', '.join(ROLES)}")
+        if kv_events is not None and (not isinstance(kv_events, str)
+                                      or not kv_events.startswith(("tcp://", "ipc://"))):
+            raise ValueError(f"KV events endpoint {kv_events!r} must be tcp://host:port or "
+                             f"ipc://path")
         inst = self._by_url.get(url)
         if inst is None:
             inst = self._by_url[url] = Instance(url, role)
         inst.role, inst.draining = role, False
+        inst.kv_events = kv_events or inst.kv_events
         return inst
 
     def get(self, url: str) -> Instance:

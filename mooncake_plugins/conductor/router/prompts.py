@@ -62,7 +62,12 @@ def validate(path: str, body: Any) -> None:
 
 def chain(blocks: Sequence[bytes]) -> list[int]:
     """Chained 64-bit ids of ``blocks``: each covers its block and every one before."""
-    out, prev = [], b""
+    return chain_from(None, blocks)
+
+
+def chain_from(parent: int | None, blocks: Sequence[bytes]) -> list[int]:
+    """:func:`chain` continued after the block whose id is ``parent`` (None: the start)."""
+    out, prev = [], b"" if parent is None else parent.to_bytes(8, "little")
     for block in blocks[:MAX_PROMPT_BLOCKS]:
         prev = hashlib.blake2b(prev + block, digest_size=8).digest()
         out.append(int.from_bytes(prev, "little"))

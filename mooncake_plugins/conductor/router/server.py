@@ -36,6 +36,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from ..costmodel import CostModel
 from ..policies import Decision, Policy, Slo
 from .instances import Instance, Pool, _Flight
+from .kv_events import KvEventIndex, subscribe
 from .prompts import BadRequest, Hasher, RoutedRequest
 from .view import LiveView
 
@@ -60,6 +61,9 @@ class RouterConfig:
     retries: int = 2
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0
+    kv_events_timeout_s: float = 30.0
+    """An instance routed to but silent on its KV events this long is forgotten (its
+    stream stopped: what the view holds of it can no longer be trusted)."""
 
 
 class _Metrics:
@@ -92,6 +96,8 @@ class Router:
         self.metrics = _Metrics()
         self._ids = itertools.count(1)
         self._session: aiohttp.ClientSession | None = None
+        self._events: dict[str, tuple[KvEventIndex, asyncio.Task]] = {}
+        self._last_routed: dict[str, float] = {}
 
     # -- decisions -----------------------------------------------------------------------
     def decide(self, req: RoutedRequest) -> tuple[Decision, LiveView]:
@@ -112,6 +118,7 @@ class Router:
                                        req.input_length, tuple(req.hash_ids))
         ready = now + decision.predicted_ttft_s
         prefill.learn(req.hash_ids, ready, self.pool.cache_blocks)
+        self._last_routed[prefill.url] = now
         if decode is not prefill:
             decode.learn(req.hash_ids, ready, self.pool.cache_blocks)
             decode.decoding[rid] = req.input_length
@@ -257,9 +264,11 @@ class Router:
             if request.method == "POST" and request.path.endswith("/drain"):
                 inst = self.pool.drain(url)
             elif request.method == "POST":
-                inst = self.pool.add(url, body.get("role", "both"))
+                inst = self.pool.add(url, body.get("role", "both"), body.get("kv_events"))
+                self._listen(inst)
             else:
                 inst = self.pool.remove(url)
+                self._stop_listening(inst.url)
         except KeyError as exc:
             return _error(404, str(exc))
         except ValueError as exc:
@@ -286,11 +295,39 @@ class Router:
         return web.json_response({"instances": len(self.pool), "usable": usable},
                                  status=200 if usable else 503)
 
+    def _listen(self, inst: Instance) -> None:
+        """Read ``inst``'s KV events (if it publishes them) into the view."""
+        if inst.kv_events is None or inst.url in self._events:
+            return
+        index = KvEventIndex(inst, self.config.block_tokens, self.pool.cache_blocks)
+        task = asyncio.get_running_loop().create_task(
+            subscribe(inst.kv_events, index, self.pool.now))
+        self._events[inst.url] = (index, task)
+
+    def _stop_listening(self, url: str) -> None:
+        entry = self._events.pop(url, None)
+        if entry is not None:
+            entry[1].cancel()
+
+    def _age_out(self) -> None:
+        """Forget what the view holds of an instance whose KV events stopped."""
+        now = self.pool.now()
+        for url, (index, _) in self._events.items():
+            routed = self._last_routed.get(url)
+            if routed is None or now - routed < self.config.kv_events_timeout_s:
+                continue
+            if index.last_batch_s < routed and index.instance.blocks:
+                log.warning("instance %s: no KV events for %.0f s while serving: its "
+                            "cache entries are forgotten", url, now - routed)
+                index.forget()
+
     async def _check_health(self) -> None:
-        """Ask every instance's /health now and then: one that answers comes back."""
+        """Ask every instance's /health now and then: one that answers comes back; age
+        out the view of instances whose KV events stopped."""
         timeout = aiohttp.ClientTimeout(total=2)
         while True:
             await asyncio.sleep(self.config.health_interval_s)
+            self._age_out()
             for inst in self.pool:
                 try:
                     async with self._http().get(inst.url + "/health", timeout=timeout) as r:
@@ -309,9 +346,13 @@ class Router:
 
         async def start(app: web.Application) -> None:
             app[task_key] = asyncio.create_task(self._check_health())
+            for inst in self.pool:
+                self._listen(inst)
 
         async def stop(app: web.Application) -> None:
             app[task_key].cancel()
+            for url in list(self._events):
+                self._stop_listening(url)
             if self._session is not None:
                 await self._session.close()
                 self._session = None

@@ -5,6 +5,7 @@ served by the other."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -49,33 +50,41 @@ def _counter(metrics: str, name: str) -> float:
                                             metrics, re.M))
 
 
-@pytest.fixture
-def cluster(tiny_llama, tmp_path) -> Iterator[tuple[str, list[str], list[subprocess.Popen]]]:
-    """(router URL, engine URLs, engine processes): two engines and the router up."""
+@contextlib.contextmanager
+def _cluster(model: str, tmp_path, events: bool) -> Iterator[tuple[str, list[str], list]]:
+    """(router URL, engine URLs, processes): two engines (publishing KV events when
+    ``events``) and the router (cache_aware) up."""
     procs: list[subprocess.Popen] = []
     rpcs = [tempfile.mkdtemp(prefix="vllm-rpc-") for _ in range(2)]
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(5)]
     urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[3:]]
     try:
         for i, (port, rpc) in enumerate(zip(ports, rpcs)):
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                   tiny_llama, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+                   model, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                    "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
                    "--skip-tokenizer-init", "--seed", "0"]
+            if events:
+                cmd += ["--kv-events-config", json.dumps({
+                    "enable_kv_cache_events": True, "publisher": "zmq",
+                    "endpoint": endpoints[i].replace("127.0.0.1", "*")})]
+            env = {**engine_env(tmp_path, f"engine{i}", rpc, str(i)), "VLLM_SERVER_DEV_MODE": "1"}
             with open(tmp_path / f"engine{i}.out", "wb") as out:
                 procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                              env=engine_env(tmp_path, f"engine{i}", rpc, str(i)),
-                                              start_new_session=True))
+                                              env=env, start_new_session=True))
         for i, (proc, url) in enumerate(zip(procs, urls)):
             wait_until(lambda: proc.poll() is not None or _up(f"{url}/health"), START_S, 0.5)
             assert proc.poll() is None, (tmp_path / f"engine{i}.out").read_text()[-4000:]
         router = f"http://127.0.0.1:{ports[2]}"
+        instances = [a for u, e in zip(urls, endpoints)
+                     for a in ("--instance", f"{u},events={e}" if events else u)]
         with open(tmp_path / "router.out", "wb") as out:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "mooncake_plugins.cli.conductor_serve", "serve",
-                 *[a for u in urls for a in ("--instance", u)], "--policy", "cache_aware",
-                 "--block-tokens", str(BLOCK), "--decode-max-batch", "4",
-                 "--health-interval", "0.5", "--port", str(ports[2])],
+                 *instances, "--policy", "cache_aware", "--block-tokens", str(BLOCK),
+                 "--decode-max-batch", "4", "--health-interval", "0.5",
+                 "--port", str(ports[2])],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}))
         assert wait_until(lambda: _up(f"{router}/health"), 60, 0.2), \
@@ -86,6 +95,18 @@ def cluster(tiny_llama, tmp_path) -> Iterator[tuple[str, list[str], list[subproc
             terminate_group(proc, timeout_s=30)
         for rpc in rpcs:
             shutil.rmtree(rpc, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(tiny_llama, tmp_path) -> Iterator[tuple[str, list[str], list[subprocess.Popen]]]:
+    with _cluster(tiny_llama, tmp_path, events=False) as c:
+        yield c
+
+
+@pytest.fixture
+def cluster_with_events(tiny_llama, tmp_path) -> Iterator[tuple[str, list[str], list]]:
+    with _cluster(tiny_llama, tmp_path, events=True) as c:
+        yield c
 
 
 def _ask(router: str, model: str, prompt: list[int]) -> dict:
@@ -116,3 +137,25 @@ def test_shared_prefixes_meet_their_cache_and_a_killed_engine_is_routed_around(c
     state = {i["url"]: i for i in _http(f"{router}/instances")}
     assert state[urls[owner]]["healthy"] is False
     assert _counter(_http(f"{urls[1 - owner]}/metrics"), "vllm:request_success_total") == 3
+
+
+def test_kv_events_tell_the_router_what_each_engine_holds(cluster_with_events, tiny_llama):
+    """A prefix computed on engine 1 by a request that never went through the router is
+    learned from its KV events (BlockStored), so the router sends the next request with
+    that prefix there; clearing the engine's cache (AllBlocksCleared) empties the view."""
+    router, urls, _ = cluster_with_events
+    prefix = prompt_tokens(6 * BLOCK, 5)
+
+    def cached(url: str) -> int:
+        return {i["url"]: i for i in _http(f"{router}/instances")}[url]["cached_blocks"]
+
+    _ask(urls[1], tiny_llama, prefix + prompt_tokens(40, 1))          # straight to engine 1
+    assert wait_until(lambda: cached(urls[1]) >= 6, 30, 0.2), _http(f"{router}/instances")
+    assert cached(urls[0]) == 0
+    _ask(router, tiny_llama, prefix + prompt_tokens(40, 2))
+    served = [_counter(_http(f"{u}/metrics"), "vllm:request_success_total") for u in urls]
+    assert served == [0, 2], served
+    _http(f"{urls[1]}/reset_prefix_cache", {})
+    # the engine publishes its events as it steps: a short request (no full block) steps it
+    _ask(urls[1], tiny_llama, prompt_tokens(40, 3))
+    assert wait_until(lambda: cached(urls[1]) == 0, 30, 0.2), _http(f"{router}/instances")
