@@ -1,4 +1,5 @@
-"""``mooncake-conductor serve``: the Conductor as a router in front of vLLM instances.
+"""``mooncake-conductor serve``: the Conductor as a router in front of vLLM instances;
+``mooncake-conductor calibrate``: its cost model fitted to one running engine.
 
     mooncake-conductor serve --instance http://127.0.0.1:8100 --instance http://127.0.0.1:8200 \\
         --policy conductor --slo-ttft 2 --slo-tbt 0.1 --port 8000
@@ -69,13 +70,58 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=port, default=8000)
     serve.add_argument("--log-level", default="INFO")
+    cal = sub.add_parser("calibrate", help="fit the cost model to a running engine and write "
+                         "it as JSON (for serve --cost-model)")
+    cal.add_argument("--instance", required=True, help="URL of a vLLM OpenAI server")
+    cal.add_argument("--model", required=True, help="the model name it serves")
+    cal.add_argument("--lengths", default="16,128,256,512,1024,1536",
+                     help="prompt lengths to time, comma separated (3 distinct at least)")
+    cal.add_argument("--repeats", type=int, default=3)
+    cal.add_argument("--decode-tokens", type=int, default=32)
+    cal.add_argument("--kv-bytes-per-token", type=int, help="the model's KV bytes per token")
+    cal.add_argument("--transfer-gbps", type=float, help="KV transfer rate, GB/s")
+    cal.add_argument("--out", required=True, help="JSON file to write")
+    cal.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from mooncake_plugins.conductor.router import calibrate
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+        if len(set(lengths)) < 3 or min(lengths) < 1:
+            raise ValueError(f"--lengths {args.lengths!r}: 3 distinct positive lengths needed")
+        base = CostModel()
+        if args.kv_bytes_per_token:
+            base = dataclasses.replace(base, kv_bytes_per_token=args.kv_bytes_per_token)
+        if args.transfer_gbps:
+            base = dataclasses.replace(base, transfer_bytes_per_s=args.transfer_gbps * 1e9)
+        model, _ = calibrate.run(args.instance, args.model, lengths=lengths,
+                                 repeats=args.repeats, decode_tokens=args.decode_tokens,
+                                 base=base, progress=lambda line: print(line, flush=True))
+    except (OSError, ValueError, RuntimeError) as exc:
+        sys.exit(f"mooncake-conductor calibrate: {exc}")
+    with open(args.out, "w") as f:
+        json.dump(dataclasses.asdict(model), f, indent=1)
+    print(f"wrote {args.out}: prefill {model.prefill_fixed_s * 1e3:.1f} ms + "
+          f"{model.prefill_s_per_token * 1e6:.2f} us/token + "
+          f"{model.prefill_s_per_token_sq * 1e9:.3f} ns/token^2; decode step "
+          f"{model.decode_fixed_s * 1e3:.2f} ms", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "calibrate":
+        try:
+            import aiohttp  # noqa: F401
+        except ImportError as exc:
+            sys.exit(f"mooncake-conductor: {exc}: {install_hint(exc)}")
+        _calibrate(args)
+        return
     try:
         from aiohttp import web
 

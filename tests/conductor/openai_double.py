@@ -1,6 +1,7 @@
 """A TEST DOUBLE of a vLLM OpenAI server, for the router's logic tests: it records the
 bodies it receives and answers completions (JSON or a stream of server-sent events) after
-``delay_s``; it can die in the middle of a streamed answer (``die_mid_stream``) and, as a
+``delay_s`` (plus ``per_token_s`` per prompt token, and ``step_s`` between streamed
+tokens, for calibration); it can die in the middle of a streamed answer (``die_mid_stream``) and, as a
 P/D prefill side, answers with a kv_transfer_params handle. Real vLLM engines behind the
 router are tested in tests/integrations/vllm/test_conductor_router.py."""
 
@@ -19,15 +20,19 @@ HANDLE = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "
 
 class OpenAIDouble:
     def __init__(self, name: str, delay_s: float = 0.0, chunks: int = 3,
-                 die_mid_stream: bool = False, prefill: bool = False) -> None:
+                 die_mid_stream: bool = False, prefill: bool = False,
+                 per_token_s: float = 0.0, step_s: float = 0.0) -> None:
         self.name, self.delay_s, self.chunks = name, delay_s, chunks
         self.die_mid_stream, self.prefill = die_mid_stream, prefill
+        self.per_token_s, self.step_s = per_token_s, step_s   # a modelled engine's speed
         self.seen: list[dict[str, Any]] = []
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(body)
-        await asyncio.sleep(self.delay_s)
+        prompt = body.get("prompt")
+        await asyncio.sleep(self.delay_s + self.per_token_s * (
+            len(prompt) if isinstance(prompt, list) else 0))
         if not body.get("stream"):
             answer: dict[str, Any] = {"id": self.name, "choices": [{"text": self.name}]}
             if self.prefill:
@@ -35,7 +40,9 @@ class OpenAIDouble:
             return web.json_response(answer)
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        for i in range(self.chunks):
+        for i in range(body.get("max_tokens", self.chunks) if self.step_s else self.chunks):
+            if i:
+                await asyncio.sleep(self.step_s)
             await out.write(f"data: {json.dumps({'id': self.name, 'n': i})}\n\n".encode())
             if self.die_mid_stream:
                 request.transport.close()   # the engine process died

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -159,3 +160,16 @@ def test_kv_events_tell_the_router_what_each_engine_holds(cluster_with_events, t
     # the engine publishes its events as it steps: a short request (no full block) steps it
     _ask(urls[1], tiny_llama, prompt_tokens(40, 3))
     assert wait_until(lambda: cached(urls[1]) == 0, 30, 0.2), _http(f"{router}/instances")
+
+    # the cost model fitted to a real engine: what `serve --cost-model` reads
+    out = Path(tempfile.mkdtemp()) / "cost.json"
+    proc = subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
+                           "calibrate", "--instance", urls[0], "--model", tiny_llama,
+                           "--lengths", "16,256,1024", "--repeats", "1", "--decode-tokens",
+                           "8", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    from mooncake_plugins.conductor.costmodel import CostModel
+    cost = CostModel(**json.loads(out.read_text()))
+    assert cost.prefill_s(1024) > cost.prefill_s(16) > 0 and cost.decode_fixed_s > 0
+    shutil.rmtree(out.parent)

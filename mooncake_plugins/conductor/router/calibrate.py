@@ -1,0 +1,96 @@
+"""Fit the cost model to one running engine: ``mooncake-conductor calibrate``.
+
+Prefill: prompts of fresh random token ids (never cached) of several lengths, each with
+``max_tokens: 1``; the best of ``repeats`` times per length is fitted by least squares
+to ``fixed + a n + b n^2`` (coefficients clamped at 0). Decode: one streamed request of
+``decode_tokens`` tokens, its mean time between chunks as the step time of a batch of
+one. What the engine cannot tell from outside (how a step grows with the batch and its
+context, KV bytes per token, transfer rate) keeps the given values. The result is the
+``CostModel`` fields as JSON, what ``mooncake-conductor serve --cost-model`` reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from typing import Callable, Sequence
+
+import aiohttp
+
+from ..costmodel import CostModel
+
+DEFAULT_LENGTHS = (16, 128, 256, 512, 1024, 1536)
+
+
+def fit_quadratic(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares ``(c0, c1, c2)`` of ``y = c0 + c1 x + c2 x^2`` (normal equations)."""
+    s = [sum(x ** k for x in xs) for k in range(5)]
+    t = [sum(y * x ** k for x, y in zip(xs, ys)) for k in range(3)]
+    m = [[s[0], s[1], s[2], t[0]], [s[1], s[2], s[3], t[1]], [s[2], s[3], s[4], t[2]]]
+    for col in range(3):   # Gauss-Jordan with partial pivoting
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            raise ValueError("the lengths do not determine a quadratic (need 3 distinct)")
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(3):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col])]
+    return tuple(m[i][3] / m[i][i] for i in range(3))  # type: ignore[return-value]
+
+
+async def _timed(session: aiohttp.ClientSession, url: str, body: dict) -> float:
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        text = await resp.text()
+        if resp.status != 200:
+            raise RuntimeError(f"{url} answered {resp.status}: {text[:300]}")
+    return time.perf_counter() - t0
+
+
+async def _decode_step(session: aiohttp.ClientSession, url: str, model: str,
+                       tokens: int, rng: random.Random) -> float:
+    body = {"model": model, "prompt": [rng.randrange(1, 1000) for _ in range(16)],
+            "max_tokens": tokens, "ignore_eos": True, "stream": True, "temperature": 0.0}
+    stamps = []
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                stamps.append(time.perf_counter())
+    if len(stamps) < 3:
+        raise RuntimeError(f"{url} streamed {len(stamps)} chunks for {tokens} tokens")
+    return (stamps[-1] - stamps[1]) / (len(stamps) - 2)
+
+
+async def calibrate(url: str, model: str, lengths: Sequence[int] = DEFAULT_LENGTHS,
+                    repeats: int = 3, decode_tokens: int = 32, base: CostModel | None = None,
+                    progress: Callable[[str], None] = lambda _: None, seed: int = 0
+                    ) -> tuple[CostModel, list[tuple[int, float]]]:
+    """The fitted model and the measured ``(prompt tokens, best prefill seconds)``."""
+    rng = random.Random(seed)
+    url = url.rstrip("/")
+    measured: list[tuple[int, float]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await _timed(session, url, {"model": model, "prompt": [1, 2, 3], "max_tokens": 1})
+        for n in lengths:
+            best = min([await _timed(session, url, {
+                "model": model, "prompt": [rng.randrange(1, 1000) for _ in range(n)],
+                "max_tokens": 1, "temperature": 0.0}) for _ in range(repeats)])
+            measured.append((n, best))
+            progress(f"prefill {n:6d} tokens: {best * 1e3:8.1f} ms")
+        step = await _decode_step(session, url, model, decode_tokens, rng)
+        progress(f"decode step (batch 1): {step * 1e3:.2f} ms")
+    c0, c1, c2 = fit_quadratic([n for n, _ in measured], [s for _, s in measured])
+    base = base or CostModel()
+    return dataclasses.replace(base, prefill_fixed_s=max(c0, 0.0),
+                               prefill_s_per_token=max(c1, 0.0),
+                               prefill_s_per_token_sq=max(c2, 0.0),
+                               decode_fixed_s=step), measured
+
+
+def run(url: str, model: str, **kw) -> tuple[CostModel, list[tuple[int, float]]]:
+    return asyncio.run(calibrate(url, model, **kw))
