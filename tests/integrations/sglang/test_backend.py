@@ -120,5 +120,5 @@ def test_settings_errors_name_the_key(store):
     with pytest.raises(ValueError, match=r"hicache-storage-backend-extra-config: unknown key "
                                          r"'master_address'"):
         build(store.address, "page_first", master_address="x:1")
-    with pytest.raises(ValueError, match=r"protocol 'rdma'"):
-        build(store.address, "page_first", protocol="rdma")
+    with pytest.raises(ValueError, match=r"protocol 'efa'"):
+        build(store.address, "page_first", protocol="efa")
