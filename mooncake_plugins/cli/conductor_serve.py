@@ -72,7 +72,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--log-level", default="INFO")
     cal = sub.add_parser("calibrate", help="fit the cost model to a running engine and write "
                          "it as JSON (for serve --cost-model)")
-    cal.add_argument("--instance", required=True, help="URL of a vLLM OpenAI server")
+    cal.add_argument("--instance", required=True, action="append",
+                     help="URL of a vLLM OpenAI server; several are measured side by side")
     cal.add_argument("--model", required=True, help="the model name it serves")
     cal.add_argument("--lengths", default="16,128,256,512,1024,1536",
                      help="prompt lengths to time, comma separated (3 distinct at least)")

@@ -159,6 +159,11 @@ class ClusterView(Protocol):
         """Most requests one decode instance runs in a batch."""
 
     @property
+    def colocated(self) -> bool:
+        """Every instance decodes what it prefilled (ordinary engines, no P/D roles):
+        prefill instance ``i`` is decode instance ``i``."""
+
+    @property
     def block_tokens(self) -> int:
         """Tokens per KV block."""
 
@@ -235,22 +240,23 @@ class Policy(ABC):
         else:
             ttft_s = self._local_ttft_s(request, view, instance, local)
             pull_from, reused = None, local.blocks
-        decode, tbt_s = self._pick_decode(request, view, view.now_s + ttft_s)
+        decode, tbt_s = self._pick_decode(request, view, instance, view.now_s + ttft_s)
         return Decision(instance, decode, pull_from, reused, ttft_s, tbt_s)
 
-    def _pick_decode(self, request: PrefixRequest, view: ClusterView,
+    def _pick_decode(self, request: PrefixRequest, view: ClusterView, prefill: int,
                      first_token_s: float) -> tuple[int, float]:
-        """Decode instance with the lightest forecast batch, and the request's TBT there.
+        """Decode instance with the lightest forecast batch (``prefill`` itself where
+        instances are colocated), and the request's TBT there.
 
         The KV streams to decode during prefill, so the forecast is taken at the first
         token. When no slot is forecast to be free, the request would wait for one and
         its TBT is unbounded (``inf``).
         """
-        best, best_key = 0, (0, 0.0)
-        for instance in range(view.num_decode):
+        best, best_key = -1, (0, 0.0)
+        for instance in ([prefill] if view.colocated else range(view.num_decode)):
             forecast = view.decode_forecast(instance, first_token_s)
             key = (forecast.requests, forecast.context_tokens)
-            if instance == 0 or key < best_key:
+            if best < 0 or key < best_key:
                 best, best_key = instance, key
         requests = best_key[0] + 1
         max_batch = view.decode_max_batch
@@ -368,7 +374,7 @@ class ConductorPolicy(Policy):
                 best = choice
         assert best is not None
         ttft_s, instance, pull_from, reused = best
-        decode, tbt_s = self._pick_decode(request, view, view.now_s + ttft_s)
+        decode, tbt_s = self._pick_decode(request, view, instance, view.now_s + ttft_s)
         reason = None
         if self.early_reject:
             if ttft_s > self.slo.ttft_s:

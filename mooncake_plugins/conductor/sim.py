@@ -20,6 +20,12 @@ Model (one replay, single-threaded, deterministic for a given policy seed):
   ``decode_max_batch`` requests; extra requests wait for a slot. Step time
   (:meth:`CostModel.decode_step_s`) is recomputed whenever the batch changes and held
   constant in between.
+- ``colocated=True`` models ordinary engines that prefill and decode (vLLM without
+  P/D roles): instance ``i`` decodes what it prefilled (``num_decode`` is taken equal
+  to ``num_prefill``), no KV moves to a decode instance, and its decode batch makes no
+  progress while it prefills (vLLM runs a prefill and the batch's next tokens in the
+  same steps, so a step lasts as long as its prefill; the one token each decode gets
+  per prefill step is ignored).
 - Metrics: TTFT = end of prefill - arrival. TBT = (finish - first token) / (output - 1),
   the mean gap after the first token (vLLM's TPOT), so a late KV transfer and waiting
   for a decode slot count against it. A request meets the SLO when it is served and both
@@ -71,6 +77,12 @@ class ClusterConfig:
         decode_tokens_prior: expected decode length used by the load forecast until the
             first request finishes (afterwards: the mean of finished requests).
         cost: the cost model.
+        colocated: every instance prefills and decodes its own requests (ordinary
+            engines, no P/D); ``num_decode`` is then ``num_prefill``.
+        shared_slowdown: how much longer a prefill takes while every other prefill
+            instance prefills too (instances sharing one host's cores, as in a test bed:
+            time one engine alone and all side by side); scaled by the share of the
+            others busy when it starts. 1.0: instances have their own hardware.
     """
 
     num_prefill: int = 8
@@ -81,8 +93,15 @@ class ClusterConfig:
     block_tokens: int = BLOCK_TOKENS
     decode_tokens_prior: int = 256
     cost: CostModel = field(default_factory=CostModel)
+    colocated: bool = False
+    shared_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.shared_slowdown >= 1.0:
+            raise InvalidArgument(f"ClusterConfig.shared_slowdown must be >= 1, "
+                                  f"got {self.shared_slowdown}")
+        if self.colocated:
+            object.__setattr__(self, "num_decode", self.num_prefill)
         for name in ("num_prefill", "num_decode", "decode_max_batch", "block_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"ClusterConfig.{name} must be >= 1, "
@@ -312,6 +331,9 @@ class _Replay:
         self.pool = LruBlockCache(cluster.pool_tokens // bt) if cluster.pool_tokens else None
         self.busy_until = [0.0] * cluster.num_prefill
         self.decodes = [_DecodeInstance() for _ in range(cluster.num_decode)]
+        # colocated: each instance's prefills, (start, end), in order; its decode pauses
+        self.prefills: list[deque[tuple[float, float]]] = [
+            deque() for _ in range(cluster.num_prefill if cluster.colocated else 0)]
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -342,6 +364,10 @@ class _Replay:
         return self.cluster.decode_max_batch
 
     @property
+    def colocated(self) -> bool:
+        return self.cluster.colocated
+
+    @property
     def block_tokens(self) -> int:
         return self.cluster.block_tokens
 
@@ -368,8 +394,8 @@ class _Replay:
             expected = self.done_decode_tokens / self.done_requests
         else:
             expected = float(self.cluster.decode_tokens_prior)
-        v_now = d.v + (self.now - d.t) / d.step_s
-        v_at = v_now + max(0.0, at_s - self.now) / d.step_s
+        v_now = d.v + self._stepping_s(instance, d.t, self.now) / d.step_s
+        v_at = v_now + self._stepping_s(instance, self.now, at_s) / d.step_s
         remaining = n - bisect.bisect_right(d.join_vs, v_at - expected)
         context_avg = (d.sum_input + n * v_now - d.sum_join_v) / n
         return DecodeForecast(remaining + queued, remaining * context_avg + d.pending_input)
@@ -406,6 +432,8 @@ class _Replay:
             self.decisions.append((-1, -1, 0, 0, None, decision.reject_reason))
             return
         instance, decode = decision.prefill, decision.decode
+        if cluster.colocated:
+            decode = instance
         if not 0 <= instance < cluster.num_prefill or not 0 <= decode < cluster.num_decode:
             raise InvalidArgument(f"policy {self.policy.name} chose prefill {instance} / "
                                   f"decode {decode}, outside the cluster")
@@ -424,8 +452,15 @@ class _Replay:
                 start_s = max(start_s, max(now, src_ready_s) + cost.kv_transfer_s(moved))
                 reused = blocks
                 src.touch(ids[:blocks])
-        end_s = start_s + cost.prefill_s(length, min(reused * bt, length))
+        prefill_s = cost.prefill_s(length, min(reused * bt, length))
+        if cluster.shared_slowdown != 1.0 and cluster.num_prefill > 1:
+            busy = sum(until > start_s for until in self.busy_until) - \
+                (self.busy_until[instance] > start_s)
+            prefill_s *= 1.0 + (cluster.shared_slowdown - 1.0) * busy / (cluster.num_prefill - 1)
+        end_s = start_s + prefill_s
         self.busy_until[instance] = end_s
+        if cluster.colocated:
+            self._pause_decode(instance, start_s, end_s)
         cache.insert(ids, end_s)
         if self.pool is not None:
             self.pool.insert(ids, end_s)
@@ -439,7 +474,8 @@ class _Replay:
         d = self.decodes[decode]
         d.incoming += 1
         d.pending_input += length
-        self._push(max(end_s, start_s + cost.kv_transfer_s(length)), _JOIN, decode, index)
+        joins_s = end_s if cluster.colocated else max(end_s, start_s + cost.kv_transfer_s(length))
+        self._push(joins_s, _JOIN, decode, index)
 
     def _source(self, source: int | str, instance: int) -> LruBlockCache:
         if source == POOL:
@@ -459,8 +495,12 @@ class _Replay:
         if kind == _FINISH and arg != d.version:
             return  # superseded by a later change of the batch
         if d.running:
-            d.v += (time_s - d.t) / d.step_s
+            d.v += self._stepping_s(instance, d.t, time_s) / d.step_s
         d.t = time_s
+        if self.prefills:
+            done = self.prefills[instance]
+            while done and done[0][1] <= time_s:
+                done.popleft()
         max_batch = self.cluster.decode_max_batch
         if kind == _JOIN:
             d.incoming -= 1
@@ -496,8 +536,47 @@ class _Replay:
         if n:
             d.step_s = self.cost.decode_step_s(n, d.sum_input + n * d.v - d.sum_join_v)
             steps = d.running[0][0] - d.v
-            self._push(d.t + (steps if steps > 0.0 else 0.0) * d.step_s, _FINISH,
-                       instance, d.version)
+            self._push(self._after_stepping(instance, d.t, max(steps, 0.0) * d.step_s),
+                       _FINISH, instance, d.version)
+
+    # ---- colocated instances: a decode batch waits while its instance prefills ----------
+
+    def _pause_decode(self, instance: int, start_s: float, end_s: float) -> None:
+        """Record a prefill on colocated ``instance`` and move its batch's next finish."""
+        d = self.decodes[instance]
+        if d.running:
+            d.v += self._stepping_s(instance, d.t, self.now) / d.step_s
+        d.t = self.now
+        self.prefills[instance].append((start_s, end_s))
+        self._reschedule(instance, d)
+
+    def _stepping_s(self, instance: int, t0: float, t1: float) -> float:
+        """Seconds of ``[t0, t1]`` decode ``instance`` steps (not paused by a prefill)."""
+        span = t1 - t0
+        if span <= 0.0:
+            return 0.0
+        if self.prefills:
+            for a, b in self.prefills[instance]:
+                if b <= t0:
+                    continue
+                if a >= t1:
+                    break
+                span -= min(b, t1) - max(a, t0)
+        return span
+
+    def _after_stepping(self, instance: int, t0: float, stepping_s: float) -> float:
+        """When decode ``instance`` has stepped ``stepping_s`` seconds from ``t0``."""
+        t = t0
+        if self.prefills:
+            for a, b in self.prefills[instance]:
+                if b <= t:
+                    continue
+                if a > t:
+                    if t + stepping_s <= a:
+                        return t + stepping_s
+                    stepping_s -= a - t
+                t = b
+        return t + stepping_s
 
     # ---- results ----------------------------------------------------------------------
 

@@ -64,3 +64,46 @@ def test_calibrating_a_modelled_engine_finds_its_speeds(tmp_path):
                              text=True, timeout=60)
         assert bad.returncode != 0 and "calibrate:" in bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_instances_calibrated_side_by_side_are_pooled():
+    pytest.importorskip("aiohttp")
+    from aiohttp import web
+    from openai_double import OpenAIDouble
+
+    from mooncake_plugins.conductor.router.calibrate import calibrate
+
+    fast = OpenAIDouble("fast", delay_s=0.01, per_token_s=20e-6, step_s=0.005)
+    slow = OpenAIDouble("slow", delay_s=0.01, per_token_s=60e-6, step_s=0.005)
+
+    async def scenario() -> CostModel:
+        runners = []
+        urls = []
+        for engine in (fast, slow):
+            runner = web.AppRunner(engine.app())
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        try:
+            lines: list[str] = []
+            cost, measured = await calibrate(urls, "m", lengths=(16, 512, 1024, 2048),
+                                             repeats=3, decode_tokens=8, progress=lines.append)
+            assert [n for n, _ in measured] == [16, 512, 1024, 2048]
+            assert "2 instances side by side" in lines[-1]
+            return cost
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    cost = asyncio.run(scenario())
+    # each engine got its own prompts: warm-up, 4 lengths x 3, one decode request
+    for engine in (fast, slow):
+        assert len(engine.seen) == 14
+    prompts = [{tuple(b["prompt"]) for b in e.seen[1:]} for e in (fast, slow)]
+    assert not prompts[0] & prompts[1]
+    asyncio.run(scenario())   # a second calibration draws fresh prompts: none cached
+    assert not {tuple(b["prompt"]) for b in fast.seen[15:]} & prompts[0]
+    # the median of the pooled times lies between the two engines' speeds
+    assert 25e-6 < cost.prefill_s_per_token < 55e-6

@@ -29,6 +29,7 @@ class FakeView:
     now_s: float = 100.0
     decode_max_batch: int = 8
     block_tokens: int = 512
+    colocated: bool = False
 
     @property
     def num_prefill(self) -> int:
@@ -181,3 +182,17 @@ def test_make_policy_names() -> None:
 def test_slo_must_be_positive() -> None:
     with pytest.raises(InvalidArgument):
         Slo(ttft_s=0.0)
+
+
+def test_colocated_views_decode_on_the_prefill_instance() -> None:
+    # instance 1 is the idle prefill; its decode batch is the busier one, yet colocated
+    # requests decode where they prefill, and the TBT estimate is that batch's
+    forecasts = [DecodeForecast(0, 0.0), DecodeForecast(6, 6000.0)]
+    for policy in (LoadBalancePolicy(COST), ConductorPolicy(COST, Slo(100, 100))):
+        split = policy.choose(_request(), FakeView([5.0, 0.0], forecasts=forecasts))
+        assert (split.prefill, split.decode) == (1, 0)
+        together = policy.choose(_request(), FakeView([5.0, 0.0], forecasts=forecasts,
+                                                      colocated=True))
+        assert (together.prefill, together.decode) == (1, 1)
+        assert together.predicted_tbt_s == pytest.approx(
+            COST.decode_step_s(7, 6000.0 + _request().input_length))

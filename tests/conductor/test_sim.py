@@ -154,6 +154,43 @@ def test_batched_decode_step_time_depends_on_batch() -> None:
     assert [o.tbt_s for o in result.outcomes] == pytest.approx([0.02, 0.02])
 
 
+def test_colocated_decode_pauses_while_its_instance_prefills() -> None:
+    # one ordinary engine: A (1024 tokens) decodes 100 tokens of 0.01 s; B (2048 tokens)
+    # arrives 0.5 s after A's first token and is prefilled on the same instance
+    slow = CostModel(decode_fixed_s=0.01, decode_s_per_request=0.0,
+                     decode_s_per_context_token=0.0, transfer_latency_s=5.0,
+                     transfer_bytes_per_s=1.0)   # a KV transfer would show
+    p_a, p_b = slow.prefill_s(1024), slow.prefill_s(2048)
+    requests = [_req(0, (1, 2), output=101), _req((p_a + 0.5) * 1e3, (3, 4, 5, 6), output=2)]
+    config = ClusterConfig(num_prefill=1, num_decode=3, decode_max_batch=4, cost=slow,
+                           colocated=True)
+    assert config.num_decode == 1
+    result = simulate(requests, LoadBalancePolicy(slow), config, SLO, keep_outcomes=True)
+    a, b = result.outcomes
+    assert a.decode == a.prefill == 0 and b.decode == 0
+    assert a.ttft_s == pytest.approx(p_a) and b.ttft_s == pytest.approx(p_b)
+    # A's 100 steps take 1 s of stepping, interrupted for B's whole prefill
+    assert a.tbt_s == pytest.approx((1.0 + p_b) / 100)
+    # B joins at its prefill's end (no transfer) and shares A's remaining steps
+    assert b.tbt_s == pytest.approx(0.01)
+    disaggregated = simulate(requests, LoadBalancePolicy(slow),
+                             ClusterConfig(num_prefill=1, num_decode=1, decode_max_batch=4,
+                                           cost=slow), SLO, keep_outcomes=True)
+    assert disaggregated.outcomes[0].tbt_s > 5.0 / 100   # the transfer delays its join
+
+
+def test_colocated_requests_decode_where_they_prefill() -> None:
+    # both prefill on instance 0 (the shared prefix); disaggregated, the second decodes on
+    # the idle decode instance 1; colocated, it stays on 0
+    requests = [_req(0, (1, 2), output=50), _req(0, (1, 2, 3), output=50)]
+    split = simulate(requests, CacheAwarePolicy(FLAT), ClusterConfig(num_prefill=2, num_decode=2,
+                     cost=FLAT), SLO, keep_outcomes=True)
+    assert [(o.prefill, o.decode) for o in split.outcomes] == [(0, 0), (0, 1)]
+    together = simulate(requests, CacheAwarePolicy(FLAT), ClusterConfig(num_prefill=2, cost=FLAT,
+                        colocated=True), SLO, keep_outcomes=True)
+    assert [(o.prefill, o.decode) for o in together.outcomes] == [(0, 0), (0, 0)]
+
+
 def test_single_token_outputs_finish_at_prefill() -> None:
     result = _run([_req(0, (1, 2), output=1)], LoadBalancePolicy(COST))
     out = result.outcomes[0]
@@ -228,3 +265,15 @@ def test_capacity_search_brackets_the_target() -> None:
     assert best == capacity.rate_scale
     assert all(a < 0.9 for s, a in capacity.probes if s > capacity.rate_scale)
     assert capacity.requests_per_s == pytest.approx(capacity.rate_scale * 200 / 398.0)
+
+
+def test_shared_slowdown_stretches_prefills_that_overlap_another() -> None:
+    # two instances sharing a host: a prefill that starts while the other prefills
+    # takes 1.5x; one that starts alone takes 1x
+    p = FLAT.prefill_s(1024)
+    requests = [_req(0, (1, 2)), _req(0, (3, 4)), _req(10 * p * 1e3, (5, 6))]
+    config = ClusterConfig(num_prefill=2, num_decode=1, cost=FLAT, shared_slowdown=1.5)
+    result = simulate(requests, LoadBalancePolicy(FLAT), config, SLO, keep_outcomes=True)
+    assert [o.ttft_s for o in result.outcomes] == pytest.approx([p, 1.5 * p, p])
+    with pytest.raises(InvalidArgument):
+        ClusterConfig(shared_slowdown=0.5)

@@ -1,10 +1,13 @@
-"""Fit the cost model to one running engine: ``mooncake-conductor calibrate``.
+"""Fit the cost model to running engines: ``mooncake-conductor calibrate``.
 
 Prefill: prompts of fresh random token ids (never cached) of several lengths, each with
-``max_tokens: 1``; the best of ``repeats`` times per length is fitted by least squares
-to ``fixed + a n + b n^2`` (coefficients clamped at 0). Decode: one streamed request of
-``decode_tokens`` tokens, its mean time between chunks as the step time of a batch of
-one. What the engine cannot tell from outside (how a step grows with the batch and its
+``max_tokens: 1``, ``repeats`` times per length; the median time per length is fitted
+by least squares to ``fixed + a n + b n^2`` (coefficients clamped at 0). Decode: one
+streamed request of ``decode_tokens`` tokens, its mean time between chunks as the step
+time of a batch of one. Several instances are measured at the same time, each with its
+own prompts, and their times pooled: engines that share a host's cores or memory
+bandwidth are then timed as they run when the cluster is busy (alone, each is faster).
+What the engines cannot tell from outside (how a step grows with the batch and its
 context, KV bytes per token, transfer rate) keeps the given values. The result is the
 ``CostModel`` fields as JSON, what ``mooncake-conductor serve --cost-model`` reads.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import statistics
 import time
 from typing import Callable, Sequence
 
@@ -66,24 +70,42 @@ async def _decode_step(session: aiohttp.ClientSession, url: str, model: str,
     return (stamps[-1] - stamps[1]) / (len(stamps) - 2)
 
 
-async def calibrate(url: str, model: str, lengths: Sequence[int] = DEFAULT_LENGTHS,
-                    repeats: int = 3, decode_tokens: int = 32, base: CostModel | None = None,
-                    progress: Callable[[str], None] = lambda _: None, seed: int = 0
-                    ) -> tuple[CostModel, list[tuple[int, float]]]:
-    """The fitted model and the measured ``(prompt tokens, best prefill seconds)``."""
-    rng = random.Random(seed)
+async def _measure(session: aiohttp.ClientSession, url: str, model: str,
+                   lengths: Sequence[int], repeats: int, decode_tokens: int,
+                   rng: random.Random) -> tuple[dict[int, list[float]], float]:
+    """One instance's prefill times per length and its decode step."""
     url = url.rstrip("/")
-    measured: list[tuple[int, float]] = []
+    await _timed(session, url, {"model": model, "prompt": [1, 2, 3], "max_tokens": 1})
+    times: dict[int, list[float]] = {}
+    for n in lengths:
+        times[n] = [await _timed(session, url, {
+            "model": model, "prompt": [rng.randrange(1, 1000) for _ in range(n)],
+            "max_tokens": 1, "temperature": 0.0}) for _ in range(repeats)]
+    return times, await _decode_step(session, url, model, decode_tokens, rng)
+
+
+async def calibrate(urls: str | Sequence[str], model: str,
+                    lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 3,
+                    decode_tokens: int = 32, base: CostModel | None = None,
+                    progress: Callable[[str], None] = lambda _: None,
+                    seed: int | None = None) -> tuple[CostModel, list[tuple[int, float]]]:
+    """The model fitted to ``urls`` (measured side by side) and the measured
+    ``(prompt tokens, median prefill seconds)``. Prompts are drawn fresh each call
+    (``seed`` None): a second calibration of the same engine must not hit its prefix
+    cache."""
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    seed = random.SystemRandom().randrange(1 << 62) if seed is None else seed
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await _timed(session, url, {"model": model, "prompt": [1, 2, 3], "max_tokens": 1})
-        for n in lengths:
-            best = min([await _timed(session, url, {
-                "model": model, "prompt": [rng.randrange(1, 1000) for _ in range(n)],
-                "max_tokens": 1, "temperature": 0.0}) for _ in range(repeats)])
-            measured.append((n, best))
-            progress(f"prefill {n:6d} tokens: {best * 1e3:8.1f} ms")
-        step = await _decode_step(session, url, model, decode_tokens, rng)
-        progress(f"decode step (batch 1): {step * 1e3:.2f} ms")
+        runs = await asyncio.gather(*(
+            _measure(session, url, model, lengths, repeats, decode_tokens,
+                     random.Random(seed * 1000 + i)) for i, url in enumerate(urls)))
+    measured = [(n, statistics.median(t for times, _ in runs for t in times[n]))
+                for n in lengths]
+    for n, s in measured:
+        progress(f"prefill {n:6d} tokens: {s * 1e3:8.1f} ms")
+    step = statistics.median(step for _, step in runs)
+    progress(f"decode step (batch 1): {step * 1e3:.2f} ms"
+             + (f" ({len(urls)} instances side by side)" if len(urls) > 1 else ""))
     c0, c1, c2 = fit_quadratic([n for n, _ in measured], [s for _, s in measured])
     base = base or CostModel()
     return dataclasses.replace(base, prefill_fixed_s=max(c0, 0.0),
@@ -92,5 +114,5 @@ async def calibrate(url: str, model: str, lengths: Sequence[int] = DEFAULT_LENGT
                                decode_fixed_s=step), measured
 
 
-def run(url: str, model: str, **kw) -> tuple[CostModel, list[tuple[int, float]]]:
-    return asyncio.run(calibrate(url, model, **kw))
+def run(urls: str | Sequence[str], model: str, **kw) -> tuple[CostModel, list[tuple[int, float]]]:
+    return asyncio.run(calibrate(urls, model, **kw))

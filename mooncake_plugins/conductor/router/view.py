@@ -20,6 +20,7 @@ class LiveView:
     def __init__(self, pool: Pool, block_tokens: int, decode_max_batch: int) -> None:
         self.prefill: list[Instance] = pool.prefill_side()
         self.decode: list[Instance] = pool.decode_side()
+        self._colocated = not pool.disaggregated()
         self._block_tokens = block_tokens
         self._max_batch = decode_max_batch
         self._now = pool.now()
@@ -39,6 +40,10 @@ class LiveView:
     @property
     def decode_max_batch(self) -> int:
         return self._max_batch
+
+    @property
+    def colocated(self) -> bool:
+        return self._colocated
 
     @property
     def block_tokens(self) -> int:
