@@ -47,6 +47,7 @@ from .tasks import (COPY, FAILED, JOB_CANCELED, JOB_FAILED, JOB_SUCCEEDED, MOVE,
 log = logging.getLogger(__name__)
 
 MAX_KEY_NBYTES = 4096
+MAX_LISTED_KEYS = 1000
 MAX_OBJECT_NBYTES = 1 << 40
 
 Shard = tuple[str, int, int]          # (segment name, address, nbytes)
@@ -729,6 +730,20 @@ class MasterService:
                     meta.read_until = max(meta.read_until, until)
                 out.append(found)
             return out
+
+    def keys_with_suffix(self, suffix: str, limit: int) -> list[str]:
+        """Up to ``limit`` keys of complete objects ending with ``suffix`` (no lease): how
+        a router finds the key layout its engines store a block hash under."""
+        if not suffix or not 1 <= limit <= MAX_LISTED_KEYS:
+            raise InvalidParams(f"suffix must be non-empty and limit in 1..{MAX_LISTED_KEYS}")
+        out: list[str] = []
+        with self._lock:
+            for key, meta in self._objects.items():
+                if meta.complete and key.endswith(suffix):
+                    out.append(key)
+                    if len(out) == limit:
+                        break
+        return out
 
     # -- removal ------------------------------------------------------------------------
     def remove(self, key: str, force: bool = False) -> None:

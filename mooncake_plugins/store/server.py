@@ -286,6 +286,8 @@ class MasterServer:
                            lambda client_id, keys: _each(keys, lambda k: s.put_revoke(client_id, k))),
             "get_replicas": (keys, s.get_many),
             "exist": (keys, lambda keys: [int(x) for x in s.exist_many(keys)]),
+            "peek": (keys, lambda keys: [int(x) for x in s.exist_many(keys, lease=False)]),
+            "keys_with_suffix": ({"suffix": str, "limit": int}, s.keys_with_suffix),
             "remove": ({**keys, "force": bool}, self._durable(self._deleting(
                 lambda keys, force: _each(keys, lambda k: s.remove(k, force))))),
             "remove_by_regex": ({"pattern": str, "force": bool},

@@ -20,7 +20,7 @@ from helpers import wait_until
 from rawnet import (closed_by_peer, connect, exchange, peak_rss_nbytes, recv_exact,
                     reset_peak_rss, rss_nbytes)
 
-from mooncake_plugins.errors import (ClientNotFound, InvalidParams, ObjectNotFound,
+from mooncake_plugins.errors import (ClientNotFound, InvalidParams, ObjectNotFound, RpcFailed,
                                      StoreSegmentNotFound)
 from mooncake_plugins.store.master import MasterConfig
 from mooncake_plugins.store.rpc import LENGTH, MAX_FRAME_NBYTES, RpcClient, RpcServer
@@ -256,3 +256,28 @@ def test_a_segment_beyond_the_address_space_is_refused(attacker: RpcClient) -> N
     with pytest.raises(InvalidParams):
         attacker.call("mount_segment", client_id="attacker-id", segment="s",
                       base=(1 << 64) - 64, nbytes=1 << 20)
+
+
+def test_key_listing_and_peeks_are_validated(master: MasterServer,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    rpc = RpcClient("127.0.0.1", master.port)
+    try:
+        assert rpc.call("keys_with_suffix", suffix="/ab", limit=10) == []
+        assert rpc.call("peek", keys=["a", "b"]) == [0, 0]
+        for bad in ({"suffix": "", "limit": 10}, {"suffix": "/ab", "limit": 0},
+                    {"suffix": "/ab", "limit": 1 << 40}):
+            with pytest.raises(InvalidParams):
+                rpc.call("keys_with_suffix", **bad)
+        # a field of the wrong type is a malformed frame: that connection is closed
+        for method, bad in (("keys_with_suffix", {"suffix": 5, "limit": 10}),
+                            ("keys_with_suffix", {"suffix": "/ab", "limit": "10"}),
+                            ("keys_with_suffix", {"suffix": "/ab"}),
+                            ("peek", {"keys": [1, 2]})):
+            with caplog.at_level(logging.ERROR, RPC_LOG):
+                with pytest.raises(RpcFailed):
+                    rpc.call(method, **bad)
+            assert "malformed frame" in caplog.text
+            caplog.clear()
+        assert rpc.call("peek", keys=["a"]) == [0]   # the master serves on
+    finally:
+        rpc.close()

@@ -239,3 +239,23 @@ def test_offset_allocator_coalesces():
     assert a.largest_free == 1024 and a.used == 0
     with pytest.raises(InvalidParams):
         a.free(0, 64)  # double free
+
+
+def test_keys_with_suffix_and_peek_take_no_lease(clock):
+    m = service(clock)
+    for k in ("vllm/m/L/tp0of2/ab12", "vllm/m/L/tp1of2/ab12", "vllm/m/L/tp0of2/cd34"):
+        put(m, k, 10)
+    m.put_start("c0", "half/ab12", 10, PutConfig())   # not complete: never listed
+    assert sorted(m.keys_with_suffix("/ab12", 10)) == ["vllm/m/L/tp0of2/ab12",
+                                                        "vllm/m/L/tp1of2/ab12"]
+    assert len(m.keys_with_suffix("/ab12", 1)) == 1
+    assert m.keys_with_suffix("/ef56", 10) == []
+    for suffix, limit in (("", 1), ("/ab12", 0), ("/ab12", 1001)):
+        with pytest.raises(InvalidParams):
+            m.keys_with_suffix(suffix, limit)
+    # looking (a router's probe) leaves no lease: the object can be removed at once
+    assert m.exist_many(["vllm/m/L/tp0of2/cd34", "nope"], lease=False) == [True, False]
+    m.remove("vllm/m/L/tp0of2/cd34")
+    assert m.exist("vllm/m/L/tp0of2/ab12")
+    with pytest.raises(ObjectHasLease):
+        m.remove("vllm/m/L/tp0of2/ab12")
