@@ -61,6 +61,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                        help="blocks remembered per instance (least recently routed dropped)")
     serve.add_argument("--tokenizer", help="Hugging Face tokenizer of the model, for exact "
                        "prompt lengths (else about 4 bytes a token)")
+    serve.add_argument("--store", metavar="HOST:PORT", help="our master's RPC address: "
+                       "prompts whose blocks the store holds (our vLLM store connector's "
+                       "keys) are priced as loads from it; needs token-id prompts or "
+                       "--tokenizer")
+    serve.add_argument("--store-hash-algo", default="sha256",
+                       help="the engines' --prefix-caching-hash-algo (sha256, sha256_cbor)")
+    serve.add_argument("--store-hash-seed", help="the engines' PYTHONHASHSEED, if set")
     serve.add_argument("--retries", type=int, default=2,
                        help="other instances tried when one cannot be reached")
     serve.add_argument("--health-interval", type=float, default=2.0)
@@ -129,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         from mooncake_plugins.conductor.router.instances import Pool
         from mooncake_plugins.conductor.router.prompts import Hasher, hf_tokenizer
         from mooncake_plugins.conductor.router.server import Router, RouterConfig
+        from mooncake_plugins.conductor.router.store_view import StoreView
+        from mooncake_plugins.conductor.router.vllm_hashes import VllmBlockHashes
     except ImportError as exc:
         sys.exit(f"mooncake-conductor: {exc}: {install_hint(exc)}")
     instances = list(args.instance)
@@ -148,13 +157,18 @@ def main(argv: list[str] | None = None) -> None:
         for url, role, events in instances:
             pool.add(url, role, events)
         tokenize = hf_tokenizer(args.tokenizer) if args.tokenizer else None
+        store = None
+        if args.store:
+            store = StoreView(args.store, VllmBlockHashes(args.block_tokens,
+                                                          args.store_hash_algo,
+                                                          args.store_hash_seed))
     except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as exc:
         sys.exit(f"mooncake-conductor: {exc}")
     if not len(pool):
         logging.warning("no instance yet: add some with POST /instances")
     router = Router(RouterConfig(policy, slo, cost, args.block_tokens, args.decode_max_batch,
                                  args.retries, args.health_interval,
-                                 kv_events_timeout_s=args.kv_events_timeout),
+                                 kv_events_timeout_s=args.kv_events_timeout, store=store),
                     Hasher(args.block_tokens, tokenize), pool)
     web.run_app(router.app(), host=args.host, port=args.port, print=lambda *a: None)
 

@@ -262,7 +262,8 @@ class Policy(ABC):
         max_batch = view.decode_max_batch
         step_s = self.cost.decode_step_s(min(requests, max_batch),
                                          best_key[1] + request.input_length)
-        return best, step_s if requests <= max_batch else math.inf
+        # colocated, a request waits for its slot before its prefill (in its TTFT)
+        return best, step_s if requests <= max_batch or view.colocated else math.inf
 
 
 class RandomPolicy(Policy):

@@ -25,7 +25,13 @@ Model (one replay, single-threaded, deterministic for a given policy seed):
   to ``num_prefill``), no KV moves to a decode instance, and its decode batch makes no
   progress while it prefills (vLLM runs a prefill and the batch's next tokens in the
   same steps, so a step lasts as long as its prefill; the one token each decode gets
-  per prefill step is ignored).
+  per prefill step is ignored). A request holds one of the instance's
+  ``decode_max_batch`` slots (vLLM's ``--max-num-seqs``) from its prefill's start to
+  its last token, so a prefill also waits for a free slot: the wait counts in TTFT,
+  and a decode is paused only by the prefills admitted beside it. Requests scheduled
+  earlier on an instance fix its timeline up to a new request's start (FIFO, and later
+  prefills start later), so that start is found when the request is scheduled, by
+  running the instance's batch forward.
 - Metrics: TTFT = end of prefill - arrival. TBT = (finish - first token) / (output - 1),
   the mean gap after the first token (vLLM's TPOT), so a late KV transfer and waiting
   for a decode slot count against it. A request meets the SLO when it is served and both
@@ -334,6 +340,8 @@ class _Replay:
         # colocated: each instance's prefills, (start, end), in order; its decode pauses
         self.prefills: list[deque[tuple[float, float]]] = [
             deque() for _ in range(cluster.num_prefill if cluster.colocated else 0)]
+        # colocated: requests holding a slot but not yet decoding, (prefill end, index)
+        self.holding: list[deque[tuple[float, int]]] = [deque() for _ in self.prefills]
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -372,8 +380,10 @@ class _Replay:
         return self.cluster.block_tokens
 
     def prefill_queue_s(self, instance: int) -> float:
-        wait_s = self.busy_until[instance] - self.now
-        return wait_s if wait_s > 0.0 else 0.0
+        start_s = max(self.now, self.busy_until[instance])
+        if self.prefills:
+            start_s = self._slot_free_s(instance, start_s)
+        return start_s - self.now
 
     def cached_prefix(self, instance: int, hash_ids: Sequence[int]) -> PrefixHit:
         return PrefixHit(*self.caches[instance].prefix(hash_ids))
@@ -442,6 +452,8 @@ class _Replay:
         cache = self.caches[instance]
         local, ready_s = cache.prefix(ids)
         start_s = max(now, self.busy_until[instance], ready_s)
+        if cluster.colocated:
+            start_s = self._slot_free_s(instance, start_s)
         reused = local
         source = decision.pull_from
         if source is not None:
@@ -461,6 +473,7 @@ class _Replay:
         self.busy_until[instance] = end_s
         if cluster.colocated:
             self._pause_decode(instance, start_s, end_s)
+            self.holding[instance].append((end_s, index))
         cache.insert(ids, end_s)
         if self.pool is not None:
             self.pool.insert(ids, end_s)
@@ -501,6 +514,9 @@ class _Replay:
             done = self.prefills[instance]
             while done and done[0][1] <= time_s:
                 done.popleft()
+            holding = self.holding[instance]
+            while holding and holding[0][0] <= time_s:
+                holding.popleft()
         max_batch = self.cluster.decode_max_batch
         if kind == _JOIN:
             d.incoming -= 1
@@ -549,6 +565,54 @@ class _Replay:
         d.t = self.now
         self.prefills[instance].append((start_s, end_s))
         self._reschedule(instance, d)
+
+    def _slot_free_s(self, instance: int, t_min: float) -> float:
+        """First time from ``t_min`` on when colocated ``instance`` has a free slot: its
+        batch (and the requests scheduled to join it) run forward until enough finish."""
+        d = self.decodes[instance]
+        holding = self.holding[instance]
+        while holding and holding[0][0] <= self.now:
+            holding.popleft()   # single-token requests, done (the others joined by now)
+        limit = self.cluster.decode_max_batch
+        need = len(d.running) + len(holding) - limit + 1
+        if need <= 0:
+            return t_min
+        requests, cost = self.requests, self.cost
+        v, t, n = d.v, d.t, len(d.running)
+        sum_input, sum_join_v = d.sum_input, d.sum_join_v
+        targets = [(target, index, join_v) for target, index, join_v in d.running]
+        heapq.heapify(targets)
+        joins = list(holding)
+        j = 0
+        while True:
+            step_s = cost.decode_step_s(n, sum_input + n * v - sum_join_v) if n else 0.0
+            finish_s = (self._after_stepping(instance, t, max(targets[0][0] - v, 0.0) * step_s)
+                        if n else math.inf)
+            if j < len(joins) and joins[j][0] <= finish_s:
+                join_s, index = joins[j]
+                j += 1
+                if n:
+                    v += self._stepping_s(instance, t, join_s) / step_s
+                t = max(t, join_s)
+                if requests[index].output_length <= 1:
+                    need -= 1   # its slot frees with its prefill
+                else:
+                    heapq.heappush(targets, (v + requests[index].output_length - 1, index, v))
+                    n += 1
+                    sum_input += requests[index].input_length
+                    sum_join_v += v
+            elif n:
+                v, t = targets[0][0], finish_s
+                while targets and targets[0][0] <= v + 1e-9:
+                    _, index, join_v = heapq.heappop(targets)
+                    n -= 1
+                    need -= 1
+                    sum_input -= requests[index].input_length
+                    sum_join_v -= join_v
+            else:   # nothing left to free a slot: cannot happen while need > 0
+                return max(t, t_min)
+            if need <= 0:
+                return max(t, t_min)
 
     def _stepping_s(self, instance: int, t0: float, t1: float) -> float:
         """Seconds of ``[t0, t1]`` decode ``instance`` steps (not paused by a prefill)."""

@@ -235,3 +235,28 @@ def test_the_command_line_refuses_bad_instances_in_one_line():
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [
         "mooncake-conductor: instance URL 'ftp://h:1' must start with http:// or https://"]
+
+
+def test_a_full_engine_queues_new_prefills_until_a_slot_frees():
+    # an ordinary engine with 2 slots (--max-num-seqs 2): two requests decode, ending in
+    # 0.3 and 0.8 s; a new one waits 0.3 s for a slot, though no prefill is queued; one
+    # more waiting for its first token takes that slot at 0.3 s, prefills 0.05 s and
+    # decodes 9 steps of 0.01 s: the new one waits until 0.44 s
+    from mooncake_plugins.conductor.router.instances import Pool, _Flight
+    from mooncake_plugins.conductor.router.view import LiveView
+
+    pool = Pool()
+    inst = pool.add("http://127.0.0.1:1")
+    now = pool.now()
+    inst.decoding.update({1: 100, 2: 100})
+    inst.decode_ends.update({1: now + 0.8, 2: now + 0.3})
+    view = LiveView(pool, 16, 2, step_s=0.01)
+    assert view.colocated
+    assert view.prefill_queue_s(0) == pytest.approx(0.3, abs=0.01)
+    inst.flights[3] = _Flight(now, 0.05, 100, output_tokens=10)
+    assert LiveView(pool, 16, 2, step_s=0.01).prefill_queue_s(0) == pytest.approx(0.44, abs=0.01)
+    assert LiveView(pool, 16, 8, step_s=0.01).prefill_queue_s(0) == pytest.approx(0.05, abs=0.01)
+    # P/D roles: a prefill instance's slots are not the decode's; no slot wait
+    pool.add("http://127.0.0.1:2", "decode")
+    inst.role = "prefill"
+    assert LiveView(pool, 16, 2, step_s=0.01).prefill_queue_s(0) == pytest.approx(0.05, abs=0.01)

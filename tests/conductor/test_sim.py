@@ -179,6 +179,43 @@ def test_colocated_decode_pauses_while_its_instance_prefills() -> None:
     assert disaggregated.outcomes[0].tbt_s > 5.0 / 100   # the transfer delays its join
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_colocated_prefills_wait_for_a_slot(slots: int) -> None:
+    # A decodes 100 tokens of 0.01 s; B arrives with it. One slot (vLLM --max-num-seqs 1):
+    # B's prefill waits until A's last token and A is never paused. Two: B prefills at
+    # once after A's prefill, and A's decode waits for it.
+    requests = [_req(0, (1, 2), output=101), _req(0, (3, 4), output=2)]
+    config = ClusterConfig(num_prefill=1, decode_max_batch=slots, cost=FLAT, colocated=True)
+    a, b = simulate(requests, LoadBalancePolicy(FLAT), config, SLO, keep_outcomes=True).outcomes
+    p = FLAT.prefill_s(1024)
+    if slots == 1:
+        assert a.tbt_s == pytest.approx(0.01)
+        assert b.ttft_s == pytest.approx(p + 1.0 + p)
+    else:
+        assert a.tbt_s == pytest.approx((1.0 + p) / 100)
+        assert b.ttft_s == pytest.approx(2 * p)
+
+
+def test_colocated_queue_estimate_includes_the_slot_wait() -> None:
+    # one slot, A decoding until p + 1 s: at B's arrival the queue is the rest of A
+    p = FLAT.prefill_s(1024)
+    seen: list[float] = []
+
+    class Recording(LoadBalancePolicy):
+        def choose(self, request, view):
+            seen.append(view.prefill_queue_s(0))
+            return super().choose(request, view)
+
+    requests = [_req(0, (1, 2), output=101), _req(p * 1e3 + 500, (3, 4), output=2),
+                _req(p * 1e3 + 500, (5, 6), output=1)]
+    config = ClusterConfig(num_prefill=1, decode_max_batch=1, cost=FLAT, colocated=True)
+    result = simulate(requests, Recording(FLAT), config, SLO, keep_outcomes=True)
+    assert seen[:2] == pytest.approx([0.0, 0.5])
+    # the third waits for A, then B's prefill and B's one decode step
+    assert seen[2] == pytest.approx(0.5 + p + 0.01)
+    assert result.outcomes[2].ttft_s == pytest.approx(seen[2] + p)
+
+
 def test_colocated_requests_decode_where_they_prefill() -> None:
     # both prefill on instance 0 (the shared prefix); disaggregated, the second decodes on
     # the idle decode instance 1; colocated, it stays on 0

@@ -11,6 +11,7 @@ until its ``/health`` answers again.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ class _Flight:
     context_tokens: int
     hash_ids: tuple[int, ...] = ()
     first_token: bool = False
+    output_tokens: int = 256   # its max_tokens (a guess where the client set none)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Instance:
     failures: int = 0
     flights: dict[int, _Flight] = field(default_factory=dict)
     decoding: dict[int, int] = field(default_factory=dict)   # request -> context tokens
+    decode_ends: dict[int, float] = field(default_factory=dict)   # request -> last token at
     blocks: OrderedDict[int, float] = field(default_factory=OrderedDict)  # id -> ready at
 
     @property
@@ -55,6 +58,20 @@ class Instance:
             return 0.0
         oldest = min(f.started_s for f in waiting)
         return max(0.0, sum(f.prefill_s for f in waiting) - (now - oldest))
+
+    def slot_wait_s(self, now: float, slots: int, step_s: float) -> float:
+        """Seconds until one of ``slots`` (vLLM's ``--max-num-seqs``) is free for a new
+        request on an engine that prefills and decodes. Decoding requests end when
+        predicted; each request waiting for its first token takes the first slot that
+        frees, prefills, and holds it for ``output_tokens`` steps of ``step_s``."""
+        ends = sorted(self.decode_ends.values())
+        prefill_free = now
+        for f in sorted((f for f in self.flights.values() if not f.first_token),
+                        key=lambda f: f.started_s):
+            start = heapq.heappop(ends) if len(ends) >= slots else now
+            prefill_free = max(start, prefill_free) + f.prefill_s
+            heapq.heappush(ends, prefill_free + (f.output_tokens - 1) * step_s)
+        return max(0.0, ends[0] - now) if len(ends) >= slots else 0.0
 
     def prefix(self, hash_ids: Iterable[int]) -> tuple[int, float]:
         """Leading blocks of ``hash_ids`` this instance holds, and when the last is ready."""

@@ -32,6 +32,7 @@ class RoutedRequest:
     hash_ids: Sequence[int]
     stream: bool
     max_tokens: int | None
+    tokens: Sequence[int] | None = None   # the prompt's token ids, where known
 
 
 def validate(path: str, body: Any) -> None:
@@ -110,7 +111,7 @@ class Hasher:
             blocks = [text[i:i + n] for i in range(0, len(text) - len(text) % n, n)]
             length = max(1, len(text) // BYTES_PER_TOKEN)
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
-        return RoutedRequest(length, chain(blocks), bool(body.get("stream")), limit)
+        return RoutedRequest(length, chain(blocks), bool(body.get("stream")), limit, tokens)
 
 
 def hf_tokenizer(name: str) -> Callable[[str | list[dict]], list[int]]:

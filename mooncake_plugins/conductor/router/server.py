@@ -34,10 +34,11 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest)
 
 from ..costmodel import CostModel
-from ..policies import Decision, Policy, Slo
+from ..policies import POOL, Decision, Policy, Slo
 from .instances import Instance, Pool, _Flight
 from .kv_events import KvEventIndex, subscribe
 from .prompts import BadRequest, Hasher, RoutedRequest
+from .store_view import StoreView
 from .view import LiveView
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class RouterConfig:
     kv_events_timeout_s: float = 30.0
     """An instance routed to but silent on its KV events this long is forgotten (its
     stream stopped: what the view holds of it can no longer be trusted)."""
+    store: StoreView | None = None
+    """The shared store's holdings (``pool_prefix``), when the router knows its master."""
 
 
 class _Metrics:
@@ -76,7 +79,11 @@ class _Metrics:
         self.failed = Counter("conductor_failed_total", "Requests that ended in an error "
                               "after routing", ["instance"], registry=self.registry)
         self.hit_tokens = Counter("conductor_hit_tokens_total", "Prompt tokens the chosen "
-                                  "instance was predicted to hold", registry=self.registry)
+                                  "instance was predicted to hold or load from the store",
+                                  registry=self.registry)
+        self.pool_tokens = Counter("conductor_pool_hit_tokens_total", "Prompt tokens routed "
+                                   "to be loaded from the shared store",
+                                   registry=self.registry)
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.ttft = Histogram("conductor_ttft_seconds", "Measured time to the first byte of "
                               "the answer", ["instance"], buckets=buckets,
@@ -100,8 +107,10 @@ class Router:
         self._last_routed: dict[str, float] = {}
 
     # -- decisions -----------------------------------------------------------------------
-    def decide(self, req: RoutedRequest) -> tuple[Decision, LiveView]:
-        view = LiveView(self.pool, self.config.block_tokens, self.config.decode_max_batch)
+    def decide(self, req: RoutedRequest, pool_blocks: int = 0) -> tuple[Decision, LiveView]:
+        batch = self.config.decode_max_batch
+        view = LiveView(self.pool, self.config.block_tokens, batch,
+                        self.config.cost.decode_step_s(batch, 0.0), pool_blocks)
         if not view.prefill or not view.decode:
             raise web.HTTPServiceUnavailable(text=json.dumps({"error": "no usable instance"}),
                                              content_type="application/json")
@@ -115,7 +124,8 @@ class Router:
         now = self.pool.now()
         cached = min(decision.reused_blocks * self.config.block_tokens, req.input_length)
         prefill.flights[rid] = _Flight(now, self.config.cost.prefill_s(req.input_length, cached),
-                                       req.input_length, tuple(req.hash_ids))
+                                       req.input_length, tuple(req.hash_ids),
+                                       output_tokens=req.max_tokens or 256)
         ready = now + decision.predicted_ttft_s
         prefill.learn(req.hash_ids, ready, self.pool.cache_blocks)
         self._last_routed[prefill.url] = now
@@ -123,6 +133,8 @@ class Router:
             decode.learn(req.hash_ids, ready, self.pool.cache_blocks)
             decode.decoding[rid] = req.input_length
         self.metrics.hit_tokens.inc(cached)
+        if decision.pull_from == POOL:
+            self.metrics.pool_tokens.inc(cached)
         self.metrics.predicted.labels(prefill.url).observe(decision.predicted_ttft_s)
         return prefill, decode
 
@@ -131,12 +143,16 @@ class Router:
         if flight is not None and not flight.first_token:
             flight.first_token = True
             inst.decoding[rid] = flight.context_tokens
+            step_s = self.config.cost.decode_step_s(len(inst.decoding),
+                                                    sum(inst.decoding.values()))
+            inst.decode_ends[rid] = self.pool.now() + (flight.output_tokens - 1) * step_s
             inst.learn(flight.hash_ids, self.pool.now(), self.pool.cache_blocks)  # computed
 
     def finish(self, rid: int, *instances: Instance) -> None:
         for inst in instances:
             inst.flights.pop(rid, None)
             inst.decoding.pop(rid, None)
+            inst.decode_ends.pop(rid, None)
 
     def take_out(self, inst: Instance, why: str) -> None:
         if inst.healthy:
@@ -154,9 +170,13 @@ class Router:
             req = self.hasher.request(request.path, body)
         except BadRequest as exc:
             return _error(400, str(exc))
+        pool_blocks = 0
+        if self.config.store is not None and req.tokens is not None:
+            pool_blocks = await asyncio.get_running_loop().run_in_executor(
+                None, self.config.store.prefix_blocks, req.tokens)
         tried: set[str] = set()
         for _ in range(self.config.retries + 1):
-            decision, view = self.decide(req)
+            decision, view = self.decide(req, pool_blocks)
             if decision.rejected:
                 self.metrics.rejected.inc()
                 late = decision.predicted_ttft_s - self.config.slo.ttft_s
@@ -164,9 +184,10 @@ class Router:
                               {"Retry-After": str(max(1, math.ceil(late)))})
             rid = next(self._ids)
             prefill, decode = self.admit(rid, req, decision, view)
-            log.debug("request %d (%d tokens, %d cached): prefill %s, decode %s, predicted "
-                      "TTFT %.3f s", rid, req.input_length,
-                      decision.reused_blocks * self.config.block_tokens, prefill.url,
+            log.debug("request %d (%d tokens, %d cached%s): prefill %s, decode %s, "
+                      "predicted TTFT %.3f s", rid, req.input_length,
+                      decision.reused_blocks * self.config.block_tokens,
+                      " in the store" if decision.pull_from == POOL else "", prefill.url,
                       decode.url, decision.predicted_ttft_s)
             try:
                 if decode is prefill:
@@ -356,6 +377,8 @@ class Router:
             if self._session is not None:
                 await self._session.close()
                 self._session = None
+            if self.config.store is not None:
+                self.config.store.close()
 
         app.on_startup.append(start)
         app.on_cleanup.append(stop)

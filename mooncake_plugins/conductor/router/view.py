@@ -13,14 +13,18 @@ class LiveView:
     instances (index ``i`` of the decision is ``prefill[i]`` / ``decode[i]``), their
     queues, caches and decode batches as the router knows them.
 
-    The global pool (the store) is not consulted yet: ``pool_prefix`` reports no blocks,
-    so policies price only what the instances hold.
+    ``pool_prefix`` is what the store holds of this request's prompt (``pool_blocks``,
+    asked of the master by :class:`~.store_view.StoreView` before the view is taken;
+    0 without a store or a prompt of token ids).
     """
 
-    def __init__(self, pool: Pool, block_tokens: int, decode_max_batch: int) -> None:
+    def __init__(self, pool: Pool, block_tokens: int, decode_max_batch: int,
+                 step_s: float = 0.0, pool_blocks: int = 0) -> None:
         self.prefill: list[Instance] = pool.prefill_side()
         self.decode: list[Instance] = pool.decode_side()
         self._colocated = not pool.disaggregated()
+        self._step_s = step_s
+        self._pool_blocks = pool_blocks
         self._block_tokens = block_tokens
         self._max_batch = decode_max_batch
         self._now = pool.now()
@@ -50,14 +54,18 @@ class LiveView:
         return self._block_tokens
 
     def prefill_queue_s(self, instance: int) -> float:
-        return self.prefill[instance].queue_s(self._now)
+        inst = self.prefill[instance]
+        queue = inst.queue_s(self._now)
+        if self._colocated:   # a prefill also waits for a free slot
+            queue = max(queue, inst.slot_wait_s(self._now, self._max_batch, self._step_s))
+        return queue
 
     def cached_prefix(self, instance: int, hash_ids: Sequence[int]) -> PrefixHit:
         blocks, ready = self.prefill[instance].prefix(hash_ids)
         return PrefixHit(blocks, ready)
 
     def pool_prefix(self, hash_ids: Sequence[int]) -> PrefixHit:
-        return PrefixHit(0, self._now)
+        return PrefixHit(self._pool_blocks, self._now)
 
     def decode_forecast(self, instance: int, at_s: float) -> DecodeForecast:
         inst = self.decode[instance]

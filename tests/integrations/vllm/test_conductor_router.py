@@ -19,6 +19,7 @@ from typing import Iterator
 
 import pytest
 from engines import START_S, engine_env, http, http_up
+from harness import store_config
 from helpers import free_port, terminate_group, wait_until
 from run_llm import prompt_tokens
 
@@ -32,9 +33,11 @@ def _counter(metrics: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def _cluster(model: str, tmp_path, events: bool) -> Iterator[tuple[str, list[str], list]]:
+def _cluster(model: str, tmp_path, events: bool, store: str | None = None
+             ) -> Iterator[tuple[str, list[str], list]]:
     """(router URL, engine URLs, processes): two engines (publishing KV events when
-    ``events``) and the router (cache_aware) up."""
+    ``events``; with our store connector on the master at ``store``) and the router
+    (cache_aware; conductor, knowing the store, with one) up."""
     procs: list[subprocess.Popen] = []
     rpcs = [tempfile.mkdtemp(prefix="vllm-rpc-") for _ in range(2)]
     ports = [free_port() for _ in range(5)]
@@ -46,6 +49,11 @@ def _cluster(model: str, tmp_path, events: bool) -> Iterator[tuple[str, list[str
                    model, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                    "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
                    "--skip-tokenizer-init", "--seed", "0"]
+            if store:
+                cmd += ["--disable-hybrid-kv-cache-manager", "--kv-transfer-config",
+                        json.dumps({"kv_connector": "MooncakePluginsStoreConnector",
+                                    "kv_role": "kv_both",
+                                    "kv_connector_extra_config": store_config(store)})]
             if events:
                 cmd += ["--kv-events-config", json.dumps({
                     "enable_kv_cache_events": True, "publisher": "zmq",
@@ -63,7 +71,9 @@ def _cluster(model: str, tmp_path, events: bool) -> Iterator[tuple[str, list[str
         with open(tmp_path / "router.out", "wb") as out:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "mooncake_plugins.cli.conductor_serve", "serve",
-                 *instances, "--policy", "cache_aware", "--block-tokens", str(BLOCK),
+                 *instances, "--block-tokens", str(BLOCK),
+                 *(["--policy", "conductor", "--store", store] if store
+                   else ["--policy", "cache_aware"]),
                  "--decode-max-batch", "4", "--health-interval", "0.5",
                  "--port", str(ports[2])],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -153,3 +163,32 @@ def test_kv_events_tell_the_router_what_each_engine_holds(cluster_with_events, t
     cost = CostModel(**json.loads(out.read_text()))
     assert cost.prefill_s(1024) > cost.prefill_s(16) > 0 and cost.decode_fixed_s > 0
     shutil.rmtree(out.parent)
+
+
+def test_the_router_finds_a_prefix_an_engine_saved_in_the_store(tiny_llama, tmp_path, store):
+    """Engine 0 computes a prompt sent to it directly and our store connector saves its
+    blocks; the router, which routed nothing yet, finds them in the store by computing
+    vLLM's block hashes and the connector's key layout, and prices the next request with
+    that prefix as a load from the store; the engine it chose gets the prefix without
+    computing it."""
+    from mooncake_plugins.store.client import StoreClient
+
+    with _cluster(tiny_llama, tmp_path, events=False, store=store.address) as (router, urls, _):
+        prefix = prompt_tokens(6 * BLOCK, 7)
+        _ask(urls[0], tiny_llama, prefix + prompt_tokens(40, 1))
+
+        def saved() -> int:
+            with StoreClient(store.address, global_segment_size=0) as c:
+                return c.stats()["objects"]
+
+        assert wait_until(lambda: saved() >= 6, 60, 0.5), saved()
+        _ask(router, tiny_llama, prefix + prompt_tokens(40, 2))
+        routed = http(f"{router}/metrics")
+        assert _counter(routed, "conductor_pool_hit_tokens_total") == 6 * BLOCK, routed
+        assert "store layout learned" in (tmp_path / "router.out").read_text()
+        # the chosen engine had the prefix (from the store, or its own cache if it is
+        # engine 0): no engine computed those 768 tokens twice
+        hits = sum(_counter(http(f"{u}/metrics"), name) for u in urls
+                   for name in ("vllm:prefix_cache_hits_total",
+                                "vllm:external_prefix_cache_hits_total"))
+        assert hits >= 6 * BLOCK, hits

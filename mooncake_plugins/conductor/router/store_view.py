@@ -1,0 +1,98 @@
+"""Which leading blocks of a prompt the shared store (our master) holds: the router's
+``pool_prefix``.
+
+Our vLLM store connector keys a block ``{base}/tp{rank}of{size}/{vLLM block hash}``, the
+base naming the model and KV layout (``integrations/mooncake_vllm/keys.py``). The router
+computes the prompt's vLLM block hashes (:mod:`.vllm_hashes`), and the first time a
+prompt's first block is in the store it learns the base and TP size from the master
+(``keys_with_suffix``, a scan the master answers without taking leases); after that one
+``peek`` per request (no lease either: a router's look must not keep blocks from
+eviction) says which blocks every rank has. A master that cannot be reached costs a log
+line a minute and counts as holding nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Sequence
+
+from ...errors import MooncakeError
+from ...store.rpc import RpcClient
+from .vllm_hashes import VllmBlockHashes
+
+log = logging.getLogger(__name__)
+
+_KEY = re.compile(r"^(?P<base>.+)/tp(?P<rank>\d+)of(?P<size>\d+)/[0-9a-f]+$")
+
+
+class StoreView:
+    """The store's view for the router.
+
+    Args:
+        master: ``host:port`` of the master's RPC.
+        hashes: the engines' block hashing (block size, algorithm, seed).
+        rediscover_s: while no known layout holds a prompt's first block, look for new
+            layouts at most this often.
+    """
+
+    def __init__(self, master: str, hashes: VllmBlockHashes, rediscover_s: float = 30.0,
+                 timeout_s: float = 2.0) -> None:
+        host, _, port = master.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"store master {master!r} must be HOST:PORT")
+        self.hashes = hashes
+        self.layouts: list[tuple[str, int]] = []   # (base, TP size)
+        self._rpc = RpcClient(host, int(port), timeout_s)
+        self._rediscover_s = rediscover_s
+        self._next_discovery = 0.0
+        self._next_warning = 0.0
+
+    def prefix_blocks(self, token_ids: Sequence[int]) -> int:
+        """Leading blocks of the prompt ``token_ids`` the store holds for every rank of
+        one layout (blocking: one or two RPCs). Only blocks before the prompt's last
+        token count, as the connector loads no more."""
+        usable = (len(token_ids) - 1) // self.hashes.block_size
+        if usable <= 0:
+            return 0
+        hexes = [h.hex() for h in self.hashes.of(token_ids, usable)]
+        try:
+            best = max((self._held(base, size, hexes) for base, size in self.layouts),
+                       default=0)
+            if best == 0 and time.monotonic() >= self._next_discovery:
+                self._next_discovery = time.monotonic() + self._rediscover_s
+                if self._discover(hexes[0]):
+                    best = max(self._held(base, size, hexes) for base, size in self.layouts)
+            return best
+        except MooncakeError as exc:
+            if time.monotonic() >= self._next_warning:
+                self._next_warning = time.monotonic() + 60
+                log.warning("store master %s: %s (the store's blocks are not priced)",
+                            self._rpc.address, exc)
+            return 0
+
+    def _held(self, base: str, size: int, hexes: list[str]) -> int:
+        keys = [f"{base}/tp{rank}of{size}/{h}" for h in hexes for rank in range(size)]
+        present = self._rpc.call("peek", keys=keys)
+        blocks = 0
+        while blocks < len(hexes) and all(present[blocks * size:(blocks + 1) * size]):
+            blocks += 1
+        return blocks
+
+    def _discover(self, first_hex: str) -> bool:
+        """Learn the layouts that hold the block ``first_hex``; whether any is new."""
+        new = False
+        for key in self._rpc.call("keys_with_suffix", suffix="/" + first_hex, limit=64):
+            m = _KEY.match(key) if isinstance(key, str) else None
+            if m is None or int(m["rank"]) >= int(m["size"]):
+                continue
+            layout = (m["base"], int(m["size"]))
+            if layout not in self.layouts:
+                log.info("store layout learned: %s/tp*of%d", *layout)
+                self.layouts.append(layout)
+                new = True
+        return new
+
+    def close(self) -> None:
+        self._rpc.close()

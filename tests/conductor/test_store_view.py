@@ -1,0 +1,126 @@
+"""The router's view of the shared store (``router/store_view.py``) against a real master:
+which leading blocks of a prompt every TP rank holds, under keys laid out as our vLLM
+store connector writes them, learned without leases; and the router pricing a prompt the
+store holds as a load from it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
+
+import pytest
+
+from mooncake_plugins.conductor.costmodel import CostModel
+from mooncake_plugins.conductor.policies import Slo, make_policy
+from mooncake_plugins.conductor.router.store_view import StoreView
+from mooncake_plugins.conductor.router.vllm_hashes import VllmBlockHashes
+from mooncake_plugins.errors import ObjectHasLease
+from mooncake_plugins.store.master import MasterConfig
+from mooncake_plugins.store.rpc import RpcClient
+from mooncake_plugins.store.server import MasterServer, ServerOptions
+
+BLOCK = 16
+BASE = "vllm/tiny-0123456789ab/cpu-FullAttentionSpec-float32-bs16-kvh2-hd64-L2-pp1"
+PUT_CONFIG = {"replica_num": 1, "preferred_segments": [], "with_soft_pin": False,
+              "upsert": False}
+
+
+@pytest.fixture
+def master() -> Iterator[tuple[MasterServer, RpcClient]]:
+    """A master with one client and segment that puts objects (no bytes move)."""
+    server = MasterServer(MasterConfig(), ServerOptions(rpc_port=0))
+    server.start()
+    rpc = RpcClient("127.0.0.1", server.port)
+    rpc.call("register_client", client_id="writer", host_id="h")
+    rpc.call("mount_segment", client_id="writer", segment="seg", base=1 << 32, nbytes=1 << 24)
+    try:
+        yield server, rpc
+    finally:
+        rpc.close()
+        server.close()
+
+
+def put(rpc: RpcClient, keys: list[str]) -> None:
+    rpc.call("put_start", client_id="writer", keys=keys, sizes=[64] * len(keys),
+             config=PUT_CONFIG)
+    rpc.call("put_end", client_id="writer", keys=keys)
+
+
+def tokens(seed: int, blocks: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1000 for i in range(blocks * BLOCK + 1)]
+
+
+def test_the_blocks_every_rank_holds_are_counted(master) -> None:
+    server, rpc = master
+    prompt = tokens(1, 5)
+    hexes = [h.hex() for h in VllmBlockHashes(BLOCK).of(prompt)]
+    # TP 2: blocks 0-2 on both ranks, block 3 on rank 0 only; another model holds block 0
+    put(rpc, [f"{BASE}/tp{r}of2/{h}" for h in hexes[:3] for r in (0, 1)])
+    put(rpc, [f"{BASE}/tp0of2/{hexes[3]}", f"vllm/other-0/x/tp0of1/{hexes[0]}"])
+    view = StoreView(f"127.0.0.1:{server.port}", VllmBlockHashes(BLOCK))
+    try:
+        assert view.prefix_blocks(prompt) == 3
+        assert sorted(view.layouts) == sorted([(BASE, 2), ("vllm/other-0/x", 1)])
+        assert view.prefix_blocks(tokens(2, 5)) == 0     # another prompt: nothing held
+        assert view.prefix_blocks(prompt[:3 * BLOCK]) == 2   # only blocks before its last token
+        assert view.prefix_blocks(prompt[:5]) == 0
+        # another engine's hashing (a PYTHONHASHSEED) names other blocks
+        seeded = StoreView(f"127.0.0.1:{server.port}", VllmBlockHashes(BLOCK, seed="9"))
+        assert seeded.prefix_blocks(prompt) == 0
+        seeded.close()
+    finally:
+        view.close()
+    # looking took no lease: the blocks can be removed at once
+    rpc.call("remove", keys=[f"{BASE}/tp0of2/{hexes[0]}"], force=False)
+    rpc.call("exist", keys=[f"{BASE}/tp1of2/{hexes[0]}"])    # a real reader's lease
+    assert rpc.call("remove", keys=[f"{BASE}/tp1of2/{hexes[0]}"], force=False)[0][0] == \
+        ObjectHasLease.code
+
+
+def test_an_unreachable_master_counts_as_holding_nothing(caplog) -> None:
+    view = StoreView("127.0.0.1:9", VllmBlockHashes(BLOCK), timeout_s=0.5)
+    with caplog.at_level(logging.WARNING):
+        assert view.prefix_blocks(tokens(1, 3)) == 0
+        assert view.prefix_blocks(tokens(1, 3)) == 0
+    assert len([r for r in caplog.records if "store master" in r.message]) == 1
+    view.close()
+    with pytest.raises(ValueError):
+        StoreView("no-port", VllmBlockHashes(BLOCK))
+
+
+def test_the_router_prices_a_prefix_the_store_holds_as_a_load(master) -> None:
+    pytest.importorskip("aiohttp")
+    from aiohttp.test_utils import TestClient, TestServer
+    from openai_double import OpenAIDouble
+
+    from mooncake_plugins.conductor.router.instances import Pool
+    from mooncake_plugins.conductor.router.prompts import Hasher
+    from mooncake_plugins.conductor.router.server import Router, RouterConfig
+
+    server, rpc = master
+    prompt = tokens(3, 8)
+    put(rpc, [f"{BASE}/tp0of1/{h.hex()}" for h in VllmBlockHashes(BLOCK).of(prompt)])
+    cost = CostModel(prefill_s_per_token=1e-3, kv_bytes_per_token=1024,
+                     transfer_bytes_per_s=1e9)   # loading is far cheaper than computing
+
+    async def main(with_store: bool) -> str:
+        async with AsyncExitStack() as stack:
+            engine = await stack.enter_async_context(TestServer(OpenAIDouble("e").app()))
+            pool = Pool()
+            pool.add(str(engine.make_url("")).rstrip("/"))
+            store = StoreView(f"127.0.0.1:{server.port}", VllmBlockHashes(BLOCK)) \
+                if with_store else None
+            router = Router(RouterConfig(make_policy("conductor", cost, Slo(30, 1)),
+                                         Slo(30, 1), cost, block_tokens=BLOCK, store=store),
+                            Hasher(BLOCK), pool)
+            client = await stack.enter_async_context(TestClient(TestServer(router.app())))
+            answer = await client.post("/v1/completions", json={
+                "model": "m", "prompt": prompt, "max_tokens": 4})
+            assert answer.status == 200
+            return await (await client.get("/metrics")).text()
+
+    page = asyncio.run(main(True))
+    assert f"conductor_pool_hit_tokens_total {8 * BLOCK}.0" in page
+    assert "conductor_pool_hit_tokens_total 0.0" in asyncio.run(main(False))
