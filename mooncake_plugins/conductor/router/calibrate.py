@@ -4,9 +4,10 @@ Prefill: prompts of fresh random token ids (never cached) of several lengths, ea
 ``max_tokens: 1``, ``repeats`` times per length; the median time per length is fitted
 by least squares to ``fixed + a n + b n^2`` (coefficients clamped at 0). Decode: one
 streamed request of ``decode_tokens`` tokens, its mean time between chunks as the step
-time of a batch of one. Several instances are measured at the same time, each with its
-own prompts, and their times pooled: engines that share a host's cores or memory
-bandwidth are then timed as they run when the cluster is busy (alone, each is faster).
+time of a batch of one. Several instances are measured in rounds, each round one prompt
+(its own) on every instance at once, and their times pooled: engines that share a
+host's cores or memory bandwidth are then timed as they run when the cluster is busy
+(alone, each is faster).
 What the engines cannot tell from outside (how a step grows with the batch and its
 context, KV bytes per token, transfer rate) keeps the given values. The result is the
 ``CostModel`` fields as JSON, what ``mooncake-conductor serve --cost-model`` reads.
@@ -70,18 +71,12 @@ async def _decode_step(session: aiohttp.ClientSession, url: str, model: str,
     return (stamps[-1] - stamps[1]) / (len(stamps) - 2)
 
 
-async def _measure(session: aiohttp.ClientSession, url: str, model: str,
-                   lengths: Sequence[int], repeats: int, decode_tokens: int,
-                   rng: random.Random) -> tuple[dict[int, list[float]], float]:
-    """One instance's prefill times per length and its decode step."""
-    url = url.rstrip("/")
-    await _timed(session, url, {"model": model, "prompt": [1, 2, 3], "max_tokens": 1})
-    times: dict[int, list[float]] = {}
-    for n in lengths:
-        times[n] = [await _timed(session, url, {
-            "model": model, "prompt": [rng.randrange(1, 1000) for _ in range(n)],
-            "max_tokens": 1, "temperature": 0.0}) for _ in range(repeats)]
-    return times, await _decode_step(session, url, model, decode_tokens, rng)
+async def _round(session: aiohttp.ClientSession, urls: Sequence[str], model: str, n: int,
+                 rng: random.Random) -> list[float]:
+    """One prefill of a fresh ``n``-token prompt on every instance at once."""
+    return list(await asyncio.gather(*(_timed(session, url, {
+        "model": model, "prompt": [rng.randrange(1, 1000) for _ in range(n)],
+        "max_tokens": 1, "temperature": 0.0}) for url in urls)))
 
 
 async def calibrate(urls: str | Sequence[str], model: str,
@@ -93,17 +88,18 @@ async def calibrate(urls: str | Sequence[str], model: str,
     ``(prompt tokens, median prefill seconds)``. Prompts are drawn fresh each call
     (``seed`` None): a second calibration of the same engine must not hit its prefix
     cache."""
-    urls = [urls] if isinstance(urls, str) else list(urls)
-    seed = random.SystemRandom().randrange(1 << 62) if seed is None else seed
+    urls = [url.rstrip("/") for url in ([urls] if isinstance(urls, str) else urls)]
+    rng = random.Random(random.SystemRandom().randrange(1 << 62) if seed is None else seed)
+    measured: list[tuple[int, float]] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        runs = await asyncio.gather(*(
-            _measure(session, url, model, lengths, repeats, decode_tokens,
-                     random.Random(seed * 1000 + i)) for i, url in enumerate(urls)))
-    measured = [(n, statistics.median(t for times, _ in runs for t in times[n]))
-                for n in lengths]
-    for n, s in measured:
-        progress(f"prefill {n:6d} tokens: {s * 1e3:8.1f} ms")
-    step = statistics.median(step for _, step in runs)
+        await asyncio.gather(*(_timed(session, url, {"model": model, "prompt": [1, 2, 3],
+                                                     "max_tokens": 1}) for url in urls))
+        for n in lengths:
+            times = [t for _ in range(repeats) for t in await _round(session, urls, model, n, rng)]
+            measured.append((n, statistics.median(times)))
+            progress(f"prefill {n:6d} tokens: {measured[-1][1] * 1e3:8.1f} ms")
+        step = statistics.median(await asyncio.gather(*(
+            _decode_step(session, url, model, decode_tokens, rng) for url in urls)))
     progress(f"decode step (batch 1): {step * 1e3:.2f} ms"
              + (f" ({len(urls)} instances side by side)" if len(urls) > 1 else ""))
     c0, c1, c2 = fit_quadratic([n for n, _ in measured], [s for _, s in measured])
