@@ -101,7 +101,10 @@ def test_the_router_prices_a_prefix_the_store_holds_as_a_load(master) -> None:
 
     server, rpc = master
     prompt = tokens(3, 8)
-    put(rpc, [f"{BASE}/tp0of1/{h.hex()}" for h in VllmBlockHashes(BLOCK).of(prompt)])
+    # a second prompt sharing the first 4 blocks; the store holds all 8 of both
+    second = prompt[:4 * BLOCK] + tokens(4, 4)
+    put(rpc, [f"{BASE}/tp0of1/{h.hex()}" for p in (prompt, second)
+              for h in VllmBlockHashes(BLOCK).of(p)[4 if p is second else 0:]])
     cost = CostModel(prefill_s_per_token=1e-3, kv_bytes_per_token=1024,
                      transfer_bytes_per_s=1e9)   # loading is far cheaper than computing
 
@@ -116,11 +119,13 @@ def test_the_router_prices_a_prefix_the_store_holds_as_a_load(master) -> None:
                                          Slo(30, 1), cost, block_tokens=BLOCK, store=store),
                             Hasher(BLOCK), pool)
             client = await stack.enter_async_context(TestClient(TestServer(router.app())))
-            answer = await client.post("/v1/completions", json={
-                "model": "m", "prompt": prompt, "max_tokens": 4})
-            assert answer.status == 200
+            for p in (prompt, second):
+                answer = await client.post("/v1/completions", json={
+                    "model": "m", "prompt": p, "max_tokens": 4})
+                assert answer.status == 200
             return await (await client.get("/metrics")).text()
 
     page = asyncio.run(main(True))
-    assert f"conductor_pool_hit_tokens_total {8 * BLOCK}.0" in page
+    # all 8 blocks of the first; of the second only the 4 its engine does not hold
+    assert f"conductor_pool_hit_tokens_total {12 * BLOCK}.0" in page
     assert "conductor_pool_hit_tokens_total 0.0" in asyncio.run(main(False))

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 ROLES = ("both", "prefill", "decode")
+DEFAULT_OUTPUT_TOKENS = 256
+"""Tokens a request is expected to decode when its client set no ``max_tokens``."""
 
 
 @dataclass
@@ -27,7 +29,7 @@ class _Flight:
     context_tokens: int
     hash_ids: tuple[int, ...] = ()
     first_token: bool = False
-    output_tokens: int = 256   # its max_tokens (a guess where the client set none)
+    output_tokens: int = DEFAULT_OUTPUT_TOKENS   # its max_tokens, where the client set one
 
 
 @dataclass

@@ -35,7 +35,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 
 from ..costmodel import CostModel
 from ..policies import POOL, Decision, Policy, Slo
-from .instances import Instance, Pool, _Flight
+from .instances import DEFAULT_OUTPUT_TOKENS, Instance, Pool, _Flight
 from .kv_events import KvEventIndex, subscribe
 from .prompts import BadRequest, Hasher, RoutedRequest
 from .store_view import StoreView
@@ -119,13 +119,14 @@ class Router:
     def admit(self, rid: int, req: RoutedRequest, decision: Decision, view: LiveView
               ) -> tuple[Instance, Instance]:
         prefill = view.prefill[decision.prefill]
+        local = prefill.prefix(req.hash_ids)[0]   # before this request is learned
         # engines that prefill and decode (no P/D roles) decode where they prefilled
         decode = view.decode[decision.decode] if self.pool.disaggregated() else prefill
         now = self.pool.now()
         cached = min(decision.reused_blocks * self.config.block_tokens, req.input_length)
         prefill.flights[rid] = _Flight(now, self.config.cost.prefill_s(req.input_length, cached),
                                        req.input_length, tuple(req.hash_ids),
-                                       output_tokens=req.max_tokens or 256)
+                                       output_tokens=req.max_tokens or DEFAULT_OUTPUT_TOKENS)
         ready = now + decision.predicted_ttft_s
         prefill.learn(req.hash_ids, ready, self.pool.cache_blocks)
         self._last_routed[prefill.url] = now
@@ -133,8 +134,9 @@ class Router:
             decode.learn(req.hash_ids, ready, self.pool.cache_blocks)
             decode.decoding[rid] = req.input_length
         self.metrics.hit_tokens.inc(cached)
-        if decision.pull_from == POOL:
-            self.metrics.pool_tokens.inc(cached)
+        if decision.pull_from == POOL:   # what the instance itself holds is not loaded
+            self.metrics.pool_tokens.inc(cached - min(local * self.config.block_tokens,
+                                                      req.input_length))
         self.metrics.predicted.labels(prefill.url).observe(decision.predicted_ttft_s)
         return prefill, decode
 
