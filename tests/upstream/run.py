@@ -42,6 +42,7 @@ from pathlib import Path
 DEFAULT_SRC = Path(__file__).resolve().parents[2].parent / "shared" / "upstream" / "mooncake"
 SOURCE_DIRS = ("mooncake-wheel/tests", "scripts")  # what the specs below run, under the source
 META = "http://127.0.0.1:8080/metadata"
+FIXED_PORTS = "8080,9003,50051-50052"   # metadata, master metrics, master RPC, dummy client
 # run_tests.sh: every store test gets these
 RUN_TESTS_ENV = {"MC_METADATA_SERVER": META, "DEFAULT_KV_LEASE_TTL": "500", "MC_STORE_MEMCPY": "false"}
 # ci.yml: the steps after "Start Mooncake Master"
@@ -289,8 +290,11 @@ def _run_all(a: argparse.Namespace, wanted: list[Spec], src: Path) -> int:
         inner = [sys.executable, __file__, "--inner", spec.name, "--src", str(src),
                  "--python", a.python, "--logdir", str(logdir)]
         # loopback, plus a veth pair with a private address (both ends inside): the
-        # original's engine wants one non-loopback address; nothing leaves the namespace
-        shell = ("ip link set lo up && ip link add mc0 type veth peer name mc1 && "
+        # original's engine wants one non-loopback address; nothing leaves the namespace.
+        # The services' fixed ports are reserved there: an ephemeral port (a connection's
+        # local end) once took 50052 before the client could listen on it
+        shell = (f"echo {FIXED_PORTS} > /proc/sys/net/ipv4/ip_local_reserved_ports && "
+                 "ip link set lo up && ip link add mc0 type veth peer name mc1 && "
                  "ip addr add 10.213.0.1/24 dev mc0 && ip link set mc0 up && "
                  "ip link set mc1 up && exec "
                  + " ".join(map(_quote, inner)))
