@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
@@ -99,6 +100,7 @@ class _PyIO:
                 except (BlockingIOError, InterruptedError):
                     if time.perf_counter() >= deadline:
                         return False
+                    os.sched_yield()  # as _native.tcp: let a peer on this core answer
                 except OSError:
                     return True  # let the blocking read report it
         finally:
