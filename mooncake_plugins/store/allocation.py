@@ -16,7 +16,8 @@ ALIGN = 64
 """Every allocation starts on a cache line."""
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """Bytes a block of ``n`` takes (rounded up to :data:`ALIGN`)."""
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
@@ -31,7 +32,7 @@ class OffsetAllocator:
 
     def allocate(self, nbytes: int) -> int | None:
         """Offset of a new block of ``nbytes`` (rounded up to ALIGN), or None when full."""
-        need = _align(nbytes)
+        need = align(nbytes)
         for i, size in enumerate(self._sizes):
             if size >= need:
                 off = self._starts[i]
@@ -45,9 +46,27 @@ class OffsetAllocator:
                 return off
         return None
 
+    def allocate_high(self, nbytes: int) -> int | None:
+        """As :meth:`allocate`, from the top of the last free block that fits: space kept
+        for a long time (reserved slots) gathers at the end instead of splitting the free
+        space that large objects need."""
+        need = align(nbytes)
+        for i in range(len(self._sizes) - 1, -1, -1):
+            size = self._sizes[i]
+            if size >= need:
+                off = self._starts[i] + size - need
+                if size == need:
+                    del self._starts[i]
+                    del self._sizes[i]
+                else:
+                    self._sizes[i] -= need
+                self.used += need
+                return off
+        return None
+
     def free(self, offset: int, nbytes: int) -> None:
         """Return a block from :meth:`allocate`; neighbours are merged."""
-        size = _align(nbytes)
+        size = align(nbytes)
         i = bisect.bisect_left(self._starts, offset)
         if (i < len(self._starts) and self._starts[i] < offset + size) or \
                 (i and self._starts[i - 1] + self._sizes[i - 1] > offset):
@@ -71,7 +90,7 @@ class OffsetAllocator:
         bad: set[tuple[int, int]] = set()
         end = 0
         for off, n in sorted(used):
-            size = _align(n)
+            size = align(n)
             if off < end or off % ALIGN or off + size > self.nbytes:
                 bad.add((off, n))
                 continue

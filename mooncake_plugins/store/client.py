@@ -16,7 +16,7 @@ import random
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from contextlib import contextmanager
@@ -29,6 +29,7 @@ from ..errors import (BufferTooSmall, ClientNotFound, InvalidArgument, InvalidPa
 from ..transfer import OpCode, TransferEngine, cuda, memory
 from ..transfer.topology import host_id
 from . import offload
+from .master import MAX_SLOT_NBYTES
 from .rpc import RpcClient
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,24 @@ class _Scratch:
             self._engine.unregister(region)
 
 
+SLOT_POOL = 16
+"""Reserved slots a client keeps per (object size, replica count) for puts of one master
+round trip (:meth:`StoreClient._put_reserved`); batches of more keys take two."""
+SLOT_POOL_NBYTES = 1 << 20
+"""... and at most this many bytes of them per class."""
+SLOT_CLASSES = 4
+"""Classes with slots at once (the least recently used one's slots are left to expire)."""
+SLOT_FRESH_S = 0.5
+"""A slot is written only within this long of the master's last answer. Slots are not
+journaled: a master that died took them along, and the one that replaces it may hand
+the same space out again, so a client writes into them only while its master is surely
+the one that placed them (and drops them all when it re-registers)."""
+
+
+def _slot_target(nbytes: int, replica_num: int) -> int:
+    return max(1, min(SLOT_POOL, SLOT_POOL_NBYTES // (nbytes * replica_num)))
+
+
 def _allocate_segment(engine: TransferEngine, nbytes: int, location: str) -> Any:
     """The memory a client contributes (``address``, ``nbytes``): the engine's memfd-backed
     host memory, or a registered :class:`cuda.DeviceBuffer`."""
@@ -303,6 +322,12 @@ class StoreClient(DerivedForms):
         self._rpc = RpcClient(*_split(master_address), timeout_s=rpc_timeout_s)
         self._rpc_lock = threading.Lock()
         self._failover_run: _Failover | None = None   # guarded by _rpc_lock
+        # reserved slots per (nbytes, replica_num): [(slot id, replicas, usable until)]
+        self._slots: OrderedDict[tuple[int, int], list[tuple[int, list, float]]] = OrderedDict()
+        self._seen_sizes: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._slots_lock = threading.Lock()
+        self._epoch = 0            # registrations since start: a slot is of the epoch it came in
+        self._answered = 0.0       # monotonic time of the master's last answer
         self._owns_engine = engine is None
         self._offload_dir = ssd_offload_path if enable_ssd_offload else None
         self._ssd_path = ssd_offload_path
@@ -441,6 +466,7 @@ class StoreClient(DerivedForms):
                 raise type(run.error)(str(run.error)) from run.error
             return
         try:
+            self._forget_slots()   # the master that placed them may be gone
             rpc, term = failed, failed_term
             if unreachable and self._ha is not None:
                 rpc, term, _ = self._follow_leader(failed_term, self._failover_timeout_s)
@@ -452,6 +478,7 @@ class StoreClient(DerivedForms):
                 if rpc is not failed:
                     self._rpc, self._term = rpc, term
                 closed = self._closed
+                self._forget_slots()   # and any a call granted meanwhile
             if rpc is not failed:
                 failed.close()
                 if closed:  # close() ran meanwhile and closed the connection it saw
@@ -469,7 +496,9 @@ class StoreClient(DerivedForms):
         or its connection broke (a restarted master), with the new leader under HA."""
         rpc = self._rpc
         try:
-            return rpc.call(method, **args)
+            out = rpc.call(method, **args)
+            self._answered = time.monotonic()
+            return out
         except ClientNotFound:
             self._failover(rpc, unreachable=False)
         except RpcTimeout:
@@ -482,7 +511,9 @@ class StoreClient(DerivedForms):
             self._failover(rpc, unreachable=True)
         except RpcFailed:
             self._failover(rpc, unreachable=self._ha is not None)
-        return self._rpc.call(method, **args)
+        out = self._rpc.call(method, **args)
+        self._answered = time.monotonic()
+        return out
 
     def _heartbeat_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
@@ -490,6 +521,7 @@ class StoreClient(DerivedForms):
             t0 = time.monotonic()
             try:
                 tasks = rpc.call("heartbeat", client_id=self.client_id)
+                self._answered = time.monotonic()
                 if time.monotonic() - t0 > interval_s * 3:
                     log.warning("heartbeat to %s took %.1f s", rpc.address, time.monotonic() - t0)
                 if tasks:
@@ -648,7 +680,15 @@ class StoreClient(DerivedForms):
         if not keys:
             return []
         sizes = [sum(n for _, n in p) for p in parts]
-        cfg = (config or ReplicateConfig()).to_wire(upsert)
+        config = config or ReplicateConfig()
+        out = self._put_reserved(keys, parts, sizes, config, upsert)
+        return out if out is not None else self._put_started(keys, parts, sizes, config, upsert)
+
+    def _put_started(self, keys: Sequence[str], parts: Sequence[Sequence[tuple[int, int]]],
+                     sizes: list[int], config: ReplicateConfig,
+                     upsert: bool) -> list[StoreError | None]:
+        """Put through put_start, the writes and put_end (two master round trips)."""
+        cfg = config.to_wire(upsert)
         results = self._call("put_start", client_id=self.client_id, keys=list(keys),
                              sizes=sizes, config=cfg)
         errors: list[StoreError | None] = [None] * len(keys)
@@ -676,6 +716,113 @@ class StoreClient(DerivedForms):
                 elif self._offload_dir:
                     self._offload(k, parts[index[k]])
         return errors
+
+    def _put_reserved(self, keys: Sequence[str], parts: Sequence[Sequence[tuple[int, int]]],
+                      sizes: list[int], config: ReplicateConfig,
+                      upsert: bool) -> list[StoreError | None] | None:
+        """Put small objects of one size with one master round trip: write into slots the
+        master reserved for this client, then ``put_reserved`` (which also refills them).
+        None where this does not apply: mixed or large sizes, preferred segments, a size
+        seen for the first time, no slots to be had. Keys whose slot was refused (expired,
+        or its segment gone) or whose write failed go through :meth:`_put_started`."""
+        nbytes, n = sizes[0], len(keys)
+        if (config.preferred_segments or not 0 < nbytes <= MAX_SLOT_NBYTES
+                or not 1 <= config.replica_num <= 16 or any(z != nbytes for z in sizes)):
+            return None
+        cls = (nbytes, config.replica_num)
+        if n > _slot_target(*cls):
+            return None
+        epoch = self._epoch
+        taken = self._take_slots(cls, n)
+        if taken is None:
+            with self._slots_lock:
+                seen = cls in self._seen_sizes
+                self._seen_sizes[cls] = None
+                self._seen_sizes.move_to_end(cls)
+                if len(self._seen_sizes) > 4 * SLOT_CLASSES:
+                    self._seen_sizes.popitem(last=False)
+            if not seen:  # a one-off size would only hold slots nobody uses
+                return None
+            with self._slots_lock:
+                want = max(0, _slot_target(*cls) - len(self._slots.get(cls, ())))
+            # with slots left, this also asks whether the master that placed them still
+            # answers (they were left alone because it had not lately)
+            self._add_slots(cls, self._call("reserve", client_id=self.client_id, nbytes=nbytes,
+                                            replica_num=config.replica_num, count=want), epoch)
+            taken = self._take_slots(cls, n)
+            if taken is None:
+                return None
+        plan: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+        for i, (_, replicas, _) in enumerate(taken):
+            for replica in replicas:
+                for local, seg, remote, m in _pair(parts[i], replica):
+                    plan[seg].append((local, remote, m, i))
+        failed = self._run(OpCode.WRITE, plan)
+        written = [i for i in range(n) if i not in failed]
+        retry = sorted(failed)
+        errors: list[StoreError | None] = [None] * n
+        if written:
+            with self._slots_lock:   # in bulk, once half the slots are used
+                left, target = len(self._slots.get(cls, ())), _slot_target(*cls)
+                refill = target - left if left <= target // 2 else 0
+            try:
+                done, granted = self._call(
+                    "put_reserved", client_id=self.client_id, keys=[keys[i] for i in written],
+                    slots=[taken[i][0] for i in written], config=config.to_wire(upsert),
+                    refill=[nbytes, config.replica_num, refill] if refill > 0 else [])
+            except (RpcFailed, NotSupported):   # no master to be had: nor its slots
+                self._forget_slots()
+                raise
+            self._add_slots(cls, granted, epoch)
+            for i, (code, _) in zip(written, done):
+                if code:   # refused as a slot: put_start says whether and why as an object
+                    retry.append(i)
+                elif self._offload_dir:
+                    self._offload(keys[i], parts[i])
+        if retry:
+            again = self._put_started([keys[i] for i in retry], [parts[i] for i in retry],
+                                      [sizes[i] for i in retry], config, upsert)
+            for i, err in zip(retry, again):
+                errors[i] = err
+        return errors
+
+    def _forget_slots(self) -> None:
+        """Drop every slot, and any granted by a call made before now."""
+        with self._slots_lock:
+            self._epoch += 1
+            self._slots.clear()
+
+    def _take_slots(self, cls: tuple[int, int], n: int) -> list[tuple[int, list, float]] | None:
+        """``n`` usable slots of ``cls``, or None (then none is taken)."""
+        now = time.monotonic()
+        if now - self._answered > SLOT_FRESH_S:
+            return None
+        with self._slots_lock:
+            pool = self._slots.get(cls)
+            if pool is None:
+                return None
+            self._slots.move_to_end(cls)
+            while pool and pool[0][2] <= now:   # the master frees them soon
+                pool.pop(0)
+            if len(pool) < n:
+                return None
+            taken, pool[:] = pool[:n], pool[n:]
+            return taken
+
+    def _add_slots(self, cls: tuple[int, int], granted: dict, epoch: int) -> None:
+        """Keep slots the master granted in a call made in ``epoch`` (none if this client
+        re-registered meanwhile: they may be another master's)."""
+        if not granted["slots"]:
+            return
+        until = time.monotonic() + granted["use_within_s"]
+        with self._slots_lock:
+            if epoch != self._epoch:
+                return
+            pool = self._slots.setdefault(cls, [])
+            self._slots.move_to_end(cls)
+            pool.extend((rid, replicas, until) for rid, replicas in granted["slots"])
+            while len(self._slots) > SLOT_CLASSES:   # left to expire on the master
+                self._slots.popitem(last=False)
 
     def _run(self, op: OpCode, plan: dict[str, list[tuple[int, int, int, int]]]) -> dict[int, MooncakeError]:
         """Move ``(local, remote, nbytes, key index)`` items, all segments at once; returns

@@ -5,7 +5,11 @@ made thread-safe by one lock; ``server.py`` puts it behind RPC.
 
 Object life: ``put_start`` allocates replicas (PROCESSING, invisible) -> the writer moves
 the bytes -> ``put_end`` makes them visible (COMPLETE); ``put_revoke`` or a writer that
-never finishes (``put_start_discard_timeout_s``) frees them. ``get`` and ``exist`` grant a
+never finishes (``put_start_discard_timeout_s``) frees them. A small object can also take
+one round trip: ``reserve`` places slots of one size ahead for a client, the client writes
+into one and ``put_reserved`` makes it the object (a slot not used within that timeout is
+freed; slots are not journaled, so a client drops its slots when it changes masters).
+``get`` and ``exist`` grant a
 read lease (as the original's ``ExistKey`` does); leased objects are neither evicted nor
 removed (unless forced), and space freed while a lease runs is only reused after it ends.
 A copy in flight holds its source's bytes the same way, but does not stop a removal.
@@ -21,6 +25,7 @@ and the server deletes them after the call returned.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -37,7 +42,7 @@ from ..errors import (ClientNotFound, InvalidKey, InvalidParams, JobNotFound, No
                       ObjectAlreadyExists, ObjectHasLease, ObjectNotFound, ReplicaNotReady,
                       SegmentAlreadyExists, StoreError, StoreSegmentNotFound, TaskLimitExceeded,
                       UnavailableInCurrentStatus, store_error)
-from .allocation import STRATEGIES, MountedSegment, order_segments
+from .allocation import STRATEGIES, MountedSegment, align, order_segments
 from .journal import OBJECT, SEGMENT, Journal, State
 from .offload import relative_name
 from .repair import RepairQueue
@@ -49,6 +54,13 @@ log = logging.getLogger(__name__)
 MAX_KEY_NBYTES = 4096
 MAX_LISTED_KEYS = 1000
 MAX_OBJECT_NBYTES = 1 << 40
+MAX_SLOT_NBYTES = 64 << 10
+"""The largest object a reserved slot holds (the one-round-trip put is for small ones)."""
+MAX_SLOTS_PER_CALL = 64
+MAX_CLIENT_SLOT_NBYTES = 4 << 20
+SLOT_SHARE = 16
+"""A client's slots hold at most 1/SLOT_SHARE of the pool's capacity (and
+MAX_CLIENT_SLOT_NBYTES): reserved space is space eviction cannot reclaim."""
 
 Shard = tuple[str, int, int]          # (segment name, address, nbytes)
 MemoryReplica = list[Shard]
@@ -178,6 +190,21 @@ class ObjectMeta:
         return bool(self.replicas) or self.disk_name is not None
 
 
+@dataclass(eq=False, slots=True)
+class Slot:
+    """Space placed ahead for one small put of ``client_id`` (see :meth:`MasterService.reserve`)."""
+
+    client_id: str
+    nbytes: int
+    replicas: list[MemoryReplica]
+    made: float
+
+    @property
+    def cost(self) -> int:
+        """Bytes its shards take in the segments' allocators."""
+        return sum(align(s[2]) for r in self.replicas for s in r)
+
+
 @dataclass(eq=False)
 class ReplicaCopy:
     """New replicas of an object being written by a copy/move task (invisible until done)."""
@@ -205,6 +232,15 @@ def check_key(key: object) -> str:
     if not isinstance(key, str) or not key or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_NBYTES:
         raise InvalidKey(f"keys are non-empty str of at most {MAX_KEY_NBYTES} bytes, got {key!r:.80}")
     return key
+
+
+def _check_slot_request(nbytes: object, replica_num: object, count: object) -> None:
+    if not isinstance(nbytes, int) or not 0 < nbytes <= MAX_SLOT_NBYTES:
+        raise InvalidParams(f"slot size must be in (0, {MAX_SLOT_NBYTES}], got {nbytes!r}")
+    if not isinstance(replica_num, int) or not 1 <= replica_num <= 16:
+        raise InvalidParams(f"replica_num must be in [1, 16], got {replica_num!r}")
+    if not isinstance(count, int) or not 0 <= count <= MAX_SLOTS_PER_CALL:
+        raise InvalidParams(f"count must be in [0, {MAX_SLOTS_PER_CALL}], got {count!r}")
 
 
 class MasterService:
@@ -237,6 +273,10 @@ class MasterService:
         self._draining: set[str] = set()                             # segments taking no new data
         self._drained: set[str] = set()                              # ... and holding none
         self._drains: dict[str, DrainJob] = {}
+        self._slots: dict[int, Slot] = {}            # by id, oldest first
+        self._slot_nbytes: dict[str, int] = {}       # per client: bytes its slots hold
+        # ids start at random: a restarted master never takes an earlier incarnation's slot
+        self._slot_ids = itertools.count(random.getrandbits(62))
         self.max_finished_drains = 1000                              # oldest finished ones forgotten
         c = self.config
         self.tasks = TaskQueue(max_pending=c.max_pending_tasks, max_finished=c.max_finished_tasks,
@@ -245,7 +285,8 @@ class MasterService:
                                clock=clock)
         self.repairs = RepairQueue(c.replica_repair_concurrency)
         self.counters = {"puts": 0, "gets": 0, "removes": 0, "evicted": 0, "offloaded_evictions": 0,
-                         "expired_clients": 0, "discarded_puts": 0, "recovered_objects": 0}
+                         "expired_clients": 0, "discarded_puts": 0, "recovered_objects": 0,
+                         "reserved_puts": 0}
         self._journal: Journal | None = None
         self._freed = False      # space was freed since free_seq was last taken
         self.free_seq = 0
@@ -360,6 +401,7 @@ class MasterService:
                 return
             self.tasks.fail_client(client_id, "its client closed")
             self._cancel_copies(self._clock(), set(), {client_id})
+            self._drop_slots(lambda slot: slot.client_id == client_id)
             self._drop_segments(set(c.segments))
         log.info("client %s closed", client_id)
 
@@ -426,6 +468,7 @@ class MasterService:
         for key, cp in list(self._copies.items()):
             if self._on(cp.source, names) or any(self._on(r, names) for r in cp.new):
                 self._cancel_copy(key)
+        self._drop_slots(lambda slot: any(self._on(r, names) for r in slot.replicas))
         for _, cp in self._cancelled:  # their space there went with the segment
             kept = [[s for s in r if s[0] not in names] for r in cp.new]
             cp.new = [r for r in kept if r]
@@ -479,8 +522,10 @@ class MasterService:
             else:
                 self._free(r)
 
-    def _allocate_replica(self, nbytes: int, candidates: list[MountedSegment]) -> MemoryReplica | None:
-        """Place one replica on ``candidates`` (striped when large); removes used ones from it."""
+    def _allocate_replica(self, nbytes: int, candidates: list[MountedSegment],
+                          high: bool = False) -> MemoryReplica | None:
+        """Place one replica on ``candidates`` (striped when large); removes used ones from
+        it. ``high``: at the top of the segments' free space."""
         nshards = max(1, min(math.ceil(nbytes / self.config.stripe_nbytes), len(candidates)))
         while nshards >= 1:
             sizes = [nbytes // nshards + (1 if i < nbytes % nshards else 0) for i in range(nshards)]
@@ -490,7 +535,7 @@ class MasterService:
                 for seg in candidates:
                     if seg in used:
                         continue
-                    off = seg.allocator.allocate(size)
+                    off = seg.allocator.allocate_high(size) if high else seg.allocator.allocate(size)
                     if off is not None:
                         placed.append((seg.name, seg.base + off, size))
                         used.append(seg)
@@ -505,7 +550,8 @@ class MasterService:
             nshards = nshards - 1 if nshards > 1 else 0
         return None
 
-    def _allocate(self, client_id: str, nbytes: int, cfg: PutConfig) -> list[MemoryReplica]:
+    def _allocate(self, client_id: str, nbytes: int, cfg: PutConfig,
+                  high: bool = False) -> list[MemoryReplica]:
         client = self._clients.get(client_id)
         candidates = order_segments([s for s in self._segments.values()
                                      if s.name not in self._draining
@@ -517,7 +563,7 @@ class MasterService:
             raise StoreSegmentNotFound("no segment is mounted: start a client with a global segment")
         replicas: list[MemoryReplica] = []
         for _ in range(cfg.replica_num):
-            r = self._allocate_replica(nbytes, candidates)
+            r = self._allocate_replica(nbytes, candidates, high)
             if r is None:
                 break
             replicas.append(r)
@@ -589,14 +635,7 @@ class MasterService:
                     meta = self._objects.get(key)
                 if meta is not None and meta.complete and not cfg.upsert:
                     raise ObjectAlreadyExists(f"{key!r} exists; use upsert to replace it")
-            used, total = self._capacity()
-            if total and (used + nbytes * cfg.replica_num) > total * self.config.eviction_high_watermark_ratio:
-                self._evict(nbytes * cfg.replica_num)
-            try:
-                replicas = self._allocate(client_id, nbytes, cfg)
-            except NoAvailableSpace:
-                self._evict(nbytes * cfg.replica_num)
-                replicas = self._allocate(client_id, nbytes, cfg)
+            replicas = self._place(client_id, nbytes, cfg)
             meta = self._objects.get(key)
             if meta is None:
                 meta = self._objects[key] = ObjectMeta(nbytes)
@@ -606,6 +645,19 @@ class MasterService:
             self._take_free_seq()
             return replicas
 
+    def _place(self, client_id: str, nbytes: int, cfg: PutConfig,
+               high: bool = False) -> list[MemoryReplica]:
+        """Replicas for a new object, evicting first above the high watermark or when
+        nothing fits (``high``: see :meth:`_allocate_replica`)."""
+        used, total = self._capacity()
+        if total and (used + nbytes * cfg.replica_num) > total * self.config.eviction_high_watermark_ratio:
+            self._evict(nbytes * cfg.replica_num)
+        try:
+            return self._allocate(client_id, nbytes, cfg, high)
+        except NoAvailableSpace:
+            self._evict(nbytes * cfg.replica_num)
+            return self._allocate(client_id, nbytes, cfg, high)
+
     def put_end(self, client_id: str, key: str) -> None:
         """Make the written replicas visible; an upserted object's old replicas are freed."""
         with self._lock:
@@ -613,20 +665,115 @@ class MasterService:
             if meta is None or meta.pending is None or meta.writer != client_id:
                 raise ObjectNotFound(f"no put of {key!r} by {client_id!r} is in progress "
                                      f"(it may have been discarded or its segment lost)")
-            self._cancel_copy(key)  # a copy of the replaced bytes must not land
-            old = meta.replicas
-            meta.replicas, meta.pending = meta.pending, None
-            meta.nbytes, meta.owner = meta.pending_nbytes, client_id
-            meta.replica_num = len(meta.replicas)
-            if meta.pending_pin_ttl_ms is not None:
-                meta.soft_pin_until = self._clock() + meta.pending_pin_ttl_ms / 1000 \
-                    if meta.pending_pin_ttl_ms else 0.0
-            meta.hard_pinned = meta.pending_hard_pin
-            self._drop_disk(meta)
-            self._free_after_lease(meta, old)
-            self._objects.move_to_end(key)
-            self.counters["puts"] += 1
-            self._note(key)
+            replicas, meta.pending = meta.pending, None
+            self._commit(key, meta, client_id, replicas, meta.pending_nbytes,
+                         meta.pending_pin_ttl_ms, meta.pending_hard_pin)
+
+    def _commit(self, key: str, meta: ObjectMeta, client_id: str, replicas: list[MemoryReplica],
+                nbytes: int, pin_ttl_ms: int | None, hard_pin: bool) -> None:
+        """Make ``replicas`` the object's; the ones they replace are freed after the lease."""
+        self._cancel_copy(key)  # a copy of the replaced bytes must not land
+        old = meta.replicas
+        meta.replicas, meta.nbytes, meta.owner = replicas, nbytes, client_id
+        meta.replica_num = len(replicas)
+        if pin_ttl_ms is not None:
+            meta.soft_pin_until = self._clock() + pin_ttl_ms / 1000 if pin_ttl_ms else 0.0
+        meta.hard_pinned = hard_pin
+        self._drop_disk(meta)
+        self._free_after_lease(meta, old)
+        self._objects.move_to_end(key)
+        self.counters["puts"] += 1
+        self._note(key)
+
+    # -- one-round-trip puts of small objects ---------------------------------------------
+    def reserve(self, client_id: str, nbytes: int, replica_num: int, count: int) -> list[tuple[int, list[MemoryReplica]]]:
+        """Place up to ``count`` slots of ``nbytes`` x ``replica_num`` for ``client_id``'s
+        next puts: ``(slot id, replicas)`` each. Fewer (or none) when the client's share
+        of the pool (:data:`SLOT_SHARE`) is used up or no room is left.
+
+        Raises:
+            InvalidParams, ClientNotFound.
+        """
+        _check_slot_request(nbytes, replica_num, count)
+        with self._lock:
+            self._client(client_id)
+            cfg = PutConfig(replica_num=replica_num)
+            cap = min(MAX_CLIENT_SLOT_NBYTES, self._capacity()[1] // SLOT_SHARE)
+            held = self._slot_nbytes.get(client_id, 0)
+            out: list[tuple[int, list[MemoryReplica]]] = []
+            now = self._clock()
+            while len(out) < count and held + nbytes * replica_num <= cap:
+                try:
+                    replicas = self._place(client_id, nbytes, cfg, high=True)
+                except (NoAvailableSpace, StoreSegmentNotFound):
+                    break
+                if len(replicas) < replica_num:  # a slot promises every replica
+                    for r in replicas:
+                        self._free(r)
+                    break
+                rid = next(self._slot_ids)
+                slot = self._slots[rid] = Slot(client_id, nbytes, replicas, now)
+                held += slot.cost
+                out.append((rid, replicas))
+            if out:
+                self._slot_nbytes[client_id] = held
+                self._take_free_seq()
+            return out
+
+    def put_reserved(self, client_id: str, key: str, slot_id: int, cfg: PutConfig) -> None:
+        """Make slot ``slot_id``, which ``client_id`` has written, the object ``key`` (as
+        ``put_start`` + ``put_end``). The slot is used up either way.
+
+        Raises:
+            InvalidKey, InvalidParams, ObjectAlreadyExists, ObjectNotFound (no such slot
+            of this client: expired, or its segment gone), UnavailableInCurrentStatus (its
+            segment is draining).
+        """
+        with self._lock:
+            slot = self._slots.get(slot_id)
+            if slot is None or slot.client_id != client_id:
+                raise ObjectNotFound(f"no slot {slot_id} of client {client_id!r} is reserved "
+                                     f"(it expired, or its segment is gone)")
+            self._drop_slot(slot_id, slot, free=False)
+            try:
+                check_key(key)
+                pin_ttl_ms = cfg.pin_ttl_ms(self.config)
+                if any(self._on(r, self._draining) for r in slot.replicas):
+                    raise UnavailableInCurrentStatus(f"slot {slot_id} is on a draining segment")
+                meta = self._objects.get(key)
+                if meta is not None:
+                    if meta.pending is not None:
+                        if self._clock() - meta.started < self.config.put_start_discard_timeout_s:
+                            raise ObjectAlreadyExists(f"{key!r} is being written by another put")
+                        self._discard_pending(key, meta)
+                        meta = self._objects.get(key)
+                    if meta is not None and meta.complete and not cfg.upsert:
+                        raise ObjectAlreadyExists(f"{key!r} exists; use upsert to replace it")
+            except BaseException:
+                for r in slot.replicas:
+                    self._free(r)
+                raise
+            if meta is None:
+                meta = self._objects[key] = ObjectMeta(slot.nbytes)
+            self._commit(key, meta, client_id, slot.replicas, slot.nbytes, pin_ttl_ms,
+                         cfg.with_hard_pin)
+            self.counters["reserved_puts"] += 1
+
+    def _drop_slot(self, slot_id: int, slot: Slot, free: bool = True) -> None:
+        del self._slots[slot_id]
+        left = self._slot_nbytes[slot.client_id] - slot.cost
+        if left:
+            self._slot_nbytes[slot.client_id] = left
+        else:
+            del self._slot_nbytes[slot.client_id]
+        if free:
+            for r in slot.replicas:
+                self._free(r)
+
+    def _drop_slots(self, pred: Callable[[Slot], bool]) -> None:
+        """Free the slots ``pred`` picks (shards on segments that are gone free nothing)."""
+        for rid, slot in [(rid, slot) for rid, slot in self._slots.items() if pred(slot)]:
+            self._drop_slot(rid, slot)
 
     def put_revoke(self, client_id: str, key: str) -> None:
         with self._lock:
@@ -1218,6 +1365,7 @@ class MasterService:
                     log.warning("client %s did not come back within %.1f s of the recovery: "
                                 "dropping its segments %s", c.client_id, now - c.last_seen,
                                 sorted(c.segments))
+                self._drop_slots(lambda slot, cid=c.client_id: slot.client_id == cid)
                 self._drop_segments(set(c.segments), repair=True)
                 del self._clients[c.client_id]
                 self.counters["expired_clients"] += 1
@@ -1230,6 +1378,11 @@ class MasterService:
                     self._discard_pending(key, meta)
                     self.counters["discarded_puts"] += 1
                 del self._writing[key]
+            while self._slots:
+                rid, slot = next(iter(self._slots.items()))
+                if now - slot.made <= self.config.put_start_discard_timeout_s:
+                    break
+                self._drop_slot(rid, slot)
             keep = []
             for until, r in self._deferred:
                 if until > now:
@@ -1241,11 +1394,16 @@ class MasterService:
         self.advance_repairs()
 
     def stats(self) -> dict:
+        """Counters and sizes: ``used_bytes`` is held by objects (and puts in flight),
+        ``reserved_bytes`` by slots placed ahead for small puts."""
         with self._lock:
             used, total = self._capacity()
+            reserved = sum(self._slot_nbytes.values())
             writing = (self._objects.get(k) for k in self._writing)
             return {"objects": len(self._objects) - sum(1 for m in writing
                                                         if m is not None and not m.complete),
                     "segments": len(self._segments), "clients": len(self._clients),
-                    "used_bytes": used, "capacity_bytes": total, **self.counters,
+                    "used_bytes": used - reserved, "capacity_bytes": total,
+                    "reserved_slots": len(self._slots), "reserved_bytes": reserved,
+                    **self.counters,
                     **self.repairs.stats()}

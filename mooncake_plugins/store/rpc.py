@@ -33,7 +33,7 @@ LENGTH = struct.Struct("<I")
 MAX_FRAME_NBYTES = 64 << 20
 MAX_BATCH = 1 << 16
 MAX_REQUEST_CONTAINERS = 16
-"""Maps and arrays in one request (the largest schema, put_start, has 6)."""
+"""Maps and arrays in one request (the largest schema, put_reserved, has 7)."""
 MAX_REQUEST_MAP_LEN = 64
 RECV_CHUNK_NBYTES = 1 << 20
 """Frames are received in chunks of this size: memory follows the bytes that arrived,
@@ -50,30 +50,59 @@ class ListOf:
 Schema = dict[str, Any]
 
 
-def _check(value: Any, spec: Any, where: str) -> None:
+class _Invalid(Exception):
+    """A value that does not match its schema: where under the argument (``path``), and why."""
+
+    def __init__(self, what: str) -> None:
+        self.path, self.what = "", what
+
+
+def _int_ok(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 64)
+
+
+def _check(value: Any, spec: Any) -> None:
+    """Raise _Invalid unless ``value`` matches ``spec`` (no string is built on success)."""
     if isinstance(spec, ListOf):
         if not isinstance(value, list) or len(value) > MAX_BATCH:
-            raise ProtocolError(f"{where} must be a list of at most {MAX_BATCH} items")
+            raise _Invalid(f"must be a list of at most {MAX_BATCH} items")
+        item = spec.item
+        if item is int:
+            ok = all(map(_int_ok, value))
+        elif isinstance(item, type):
+            ok = all(isinstance(v, item) for v in value)
+        else:
+            ok = False
+        if ok:
+            return
         for i, v in enumerate(value):
-            _check(v, spec.item, f"{where}[{i}]")
+            try:
+                _check(v, item)
+            except _Invalid as exc:
+                exc.path = f"[{i}]{exc.path}"
+                raise
     elif isinstance(spec, dict):
-        if not isinstance(value, dict) or set(value) - set(spec):
-            raise ProtocolError(f"{where} must be a map with keys among {sorted(spec)}")
+        if not isinstance(value, dict) or not value.keys() <= spec.keys():
+            raise _Invalid(f"must be a map with keys among {sorted(spec)}")
         for k, v in value.items():
-            _check(v, spec[k], f"{where}.{k}")
+            try:
+                _check(v, spec[k])
+            except _Invalid as exc:
+                exc.path = f".{k}{exc.path}"
+                raise
     elif spec is int:
-        if not isinstance(value, int) or isinstance(value, bool) or not -(1 << 63) <= value < (1 << 64):
-            raise ProtocolError(f"{where} must be an int")
+        if not _int_ok(value):
+            raise _Invalid("must be an int")
     elif isinstance(spec, tuple):  # any one of these specs (so int there refuses bool too)
         for option in spec:
             try:
-                _check(value, option, where)
+                _check(value, option)
                 return
-            except ProtocolError:
+            except _Invalid:
                 continue
-        raise ProtocolError(f"{where} must be one of {[getattr(o, '__name__', o) for o in spec]}")
+        raise _Invalid(f"must be one of {[getattr(o, '__name__', o) for o in spec]}")
     elif not isinstance(value, spec):
-        raise ProtocolError(f"{where} must be {getattr(spec, '__name__', spec)}")
+        raise _Invalid(f"must be {getattr(spec, '__name__', spec)}")
 
 
 def validate_args(args: Any, schema: Schema, method: str) -> dict[str, Any]:
@@ -81,7 +110,10 @@ def validate_args(args: Any, schema: Schema, method: str) -> dict[str, Any]:
     if not isinstance(args, dict) or set(args) != set(schema):
         raise ProtocolError(f"{method} takes exactly {sorted(schema)}")
     for name, spec in schema.items():
-        _check(args[name], spec, f"{method}.{name}")
+        try:
+            _check(args[name], spec)
+        except _Invalid as exc:
+            raise ProtocolError(f"{method}.{name}{exc.path} {exc.what}") from None
     return args
 
 

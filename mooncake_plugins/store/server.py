@@ -244,6 +244,24 @@ class MasterServer:
             it = iter(sizes)
             return _each(keys, lambda k: s.put_start(client_id, k, next(it), pc))
 
+        def slots(granted: list) -> dict:
+            return {"slots": [[rid, replicas] for rid, replicas in granted],
+                    "use_within_s": cfg.put_start_discard_timeout_s / 3}
+
+        def reserve(client_id: str, nbytes: int, replica_num: int, count: int) -> dict:
+            return slots(s.reserve(client_id, nbytes, replica_num, count))
+
+        def put_reserved(client_id: str, keys: list, slots_: list, config: dict, refill: list) -> list:
+            if len(keys) != len(slots_):
+                raise InvalidParams("keys and slots differ in length")
+            if refill and len(refill) != 3:
+                raise InvalidParams("refill is [] or [nbytes, replica_num, count]")
+            pc = PutConfig(**config)
+            # refilled first: the eviction that may make room never takes these puts' objects
+            granted = slots(s.reserve(client_id, *refill) if refill else [])
+            it = iter(slots_)
+            return [_each(keys, lambda k: s.put_reserved(client_id, k, next(it), pc)), granted]
+
         def heartbeat(client_id: str) -> list[dict]:
             s.heartbeat(client_id)
             return s.tasks.take(client_id)  # copy/move tasks this client is to run
@@ -282,6 +300,13 @@ class MasterServer:
                           self._durable(put_start, space=True)),
             "put_end": ({**cid, **keys}, self._durable(self._deleting(
                 lambda client_id, keys: _each(keys, lambda k: s.put_end(client_id, k))))),
+            "reserve": ({**cid, "nbytes": int, "replica_num": int, "count": int},
+                        self._durable(reserve, space=True)),
+            "put_reserved": ({**cid, **keys, "slots": ListOf(int), "config": PUT_CONFIG,
+                              "refill": ListOf(int)},
+                             self._durable(self._deleting(
+                                 lambda client_id, keys, slots, config, refill:
+                                 put_reserved(client_id, keys, slots, config, refill)))),
             "put_revoke": ({**cid, **keys},
                            lambda client_id, keys: _each(keys, lambda k: s.put_revoke(client_id, k))),
             "get_replicas": (keys, s.get_many),

@@ -281,3 +281,43 @@ def test_key_listing_and_peeks_are_validated(master: MasterServer,
         assert rpc.call("peek", keys=["a"]) == [0]   # the master serves on
     finally:
         rpc.close()
+
+
+def test_a_client_cannot_use_another_clients_slot(victim: RpcClient, attacker: RpcClient) -> None:
+    granted = victim.call("reserve", client_id="victim-id", nbytes=4096, replica_num=1, count=2)
+    (rid, _), _ = granted["slots"]
+    assert 0 < granted["use_within_s"]
+    # the attacker neither turns the victim's slot into its object nor learns it exists
+    [[code, message]], _ = attacker.call("put_reserved", client_id="attacker-id", keys=["x"],
+                                         slots=[rid], config=PUT_CONFIG, refill=[])
+    assert code == ObjectNotFound.code and "victim-id" not in message
+    [[code, _]], _ = victim.call("put_reserved", client_id="victim-id", keys=["x"], slots=[rid],
+                                 config=PUT_CONFIG, refill=[])
+    assert code == 0 and attacker.call("exist", keys=["x"]) == [1]
+    with pytest.raises(ClientNotFound):   # nor reserve as a client nobody registered
+        attacker.call("reserve", client_id="nobody", nbytes=4096, replica_num=1, count=1)
+
+
+def test_slot_requests_are_validated(victim: RpcClient, caplog: pytest.LogCaptureFixture) -> None:
+    for bad in ({"nbytes": 0, "replica_num": 1, "count": 1},
+                {"nbytes": 1 << 20, "replica_num": 1, "count": 1},
+                {"nbytes": 4096, "replica_num": 99, "count": 1},
+                {"nbytes": 4096, "replica_num": 1, "count": 1 << 40}):
+        with pytest.raises(InvalidParams):
+            victim.call("reserve", client_id="victim-id", **bad)
+    for refill in ([4096, 1], [4096, 1, 1, 1], [0, 1, 1]):
+        with pytest.raises(InvalidParams):
+            victim.call("put_reserved", client_id="victim-id", keys=[], slots=[],
+                        config=PUT_CONFIG, refill=refill)
+    with pytest.raises(InvalidParams):
+        victim.call("put_reserved", client_id="victim-id", keys=["a", "b"], slots=[1],
+                    config=PUT_CONFIG, refill=[])
+    for bad in ({"keys": ["a"], "slots": ["1"], "config": PUT_CONFIG, "refill": []},
+                {"keys": ["a"], "slots": [1], "config": PUT_CONFIG, "refill": [1.5]},
+                {"keys": ["a"], "slots": [1], "config": PUT_CONFIG}):
+        with caplog.at_level(logging.ERROR, RPC_LOG):
+            with pytest.raises(RpcFailed):
+                victim.call("put_reserved", client_id="victim-id", **bad)
+        assert "malformed frame" in caplog.text
+        caplog.clear()
+    assert victim.call("stats")["reserved_slots"] == 0   # nothing was placed by any of it

@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import threading
 
-from mooncake_plugins.store.client import SMALL_PUT_NBYTES, StoreClient
+from mooncake_plugins.store import client as client_module
+from mooncake_plugins.store.client import SMALL_PUT_NBYTES, ReplicateConfig, StoreClient
 
 
 def test_concurrent_small_puts_keep_their_own_bytes(master):
@@ -50,3 +51,75 @@ def test_a_failed_put_does_not_lend_its_buffer_again(master, monkeypatch):
         monkeypatch.undo()
         c.put("after", b"z" * 100)
         assert c.get("after") == b"z" * 100 and c._scratch._free[0] is not lent[0]
+
+
+def _count_calls(client: StoreClient, monkeypatch) -> list[str]:
+    """The master methods ``client`` calls from now on, in order."""
+    methods: list[str] = []
+    real = type(client._rpc).call
+
+    def call(rpc, method, **args):
+        methods.append(method)
+        return real(rpc, method, **args)
+
+    monkeypatch.setattr(type(client._rpc), "call", call)
+    return methods
+
+
+def test_a_size_put_again_takes_one_master_round_trip(master, monkeypatch):
+    with StoreClient(master.address, global_segment_size=8 << 20) as c, \
+            StoreClient(master.address, global_segment_size=0) as reader:
+        methods = _count_calls(c, monkeypatch)
+        values = {f"k{i}": os.urandom(4096) for i in range(40)}
+        for k, v in values.items():
+            c.put(k, v)
+        puts = [m for m in methods if m != "heartbeat"]
+        # a size seen once goes the two-trip way; the second time slots are reserved;
+        # from then on one put_reserved per put, refilling slots in bulk now and then
+        assert puts[:5] == ["put_start", "put_end", "reserve", "put_reserved", "put_reserved"]
+        assert puts.count("put_reserved") == 39 and "put_start" not in puts[2:]
+        assert reader.batch_get(list(values)) == list(values.values())
+        st = master.service.stats()
+        assert st["reserved_puts"] == 39 and 0 < st["reserved_slots"] <= 16
+        # objects of other sizes, or with preferred segments, are unaffected
+        for _ in range(2):
+            c.upsert("odd", b"x" * 4096, ReplicateConfig(preferred_segments=[c.segment_name]))
+            assert [m for m in methods if m != "heartbeat"][-2:] == ["put_start", "put_end"]
+        assert reader.get("odd") == b"x" * 4096
+
+
+def test_slots_are_left_alone_when_the_master_has_not_answered_lately(master, monkeypatch):
+    with StoreClient(master.address, global_segment_size=8 << 20) as c:
+        c.put("a", b"1" * 300)
+        c.put("b", b"2" * 300)                  # slots reserved here
+        monkeypatch.setattr(client_module, "SLOT_FRESH_S", 0.05)
+        methods = _count_calls(c, monkeypatch)
+        c._answered -= 1.0     # (the heartbeat thread beats once a second)
+        c.put("c", b"3" * 300)
+        # it asks first (the slots' master may have died meanwhile), then uses one
+        assert [m for m in methods if m != "heartbeat"] == ["reserve", "put_reserved"]
+        assert c.get("c") == b"3" * 300
+
+
+def test_a_client_the_master_forgot_drops_its_slots_and_the_put_lands(master, monkeypatch):
+    with StoreClient(master.address, global_segment_size=8 << 20) as c:
+        c.put("a", b"1" * 300)
+        c.put("b", b"2" * 300)
+        assert c._slots and master.service.stats()["reserved_slots"] > 0
+        epoch = c._epoch
+        master.service.unregister_client(c.client_id)   # as a master that restarted
+        assert master.service.stats()["reserved_slots"] == 0
+        methods = _count_calls(c, monkeypatch)
+        c.put("c", b"3" * 300)
+        # the slot is refused, put_start finds the client unknown, it registers again
+        # (dropping every slot it had) and the put goes through
+        assert [m for m in methods if m not in ("heartbeat", "mount_segment")][:4] == \
+            ["put_reserved", "put_start", "register_client", "put_start"]
+        assert not c._slots or all(
+            rid in master.service._slots for pool in c._slots.values() for rid, _, _ in pool)
+        assert c.get("c") == b"3" * 300
+        # slots granted by a call made before the client registered again are not kept
+        kept = {cls: list(pool) for cls, pool in c._slots.items()}
+        c._add_slots((300, 1), {"slots": [[7, [[c.segment_name, 0, 300]]]], "use_within_s": 9.0},
+                     epoch)
+        assert c._epoch > epoch and c._slots == kept

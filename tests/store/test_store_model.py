@@ -44,7 +44,7 @@ from mooncake_plugins.errors import (BufferTooSmall, InvalidKey, InvalidParams, 
                                      NoAvailableSpace, ObjectAlreadyExists, ObjectHasLease,
                                      ObjectNotFound, ReplicaNotReady)
 from mooncake_plugins.store.client import ReplicateConfig, StoreClient
-from mooncake_plugins.store.master import MasterConfig
+from mooncake_plugins.store.master import MAX_CLIENT_SLOT_NBYTES, MasterConfig
 from mooncake_plugins.store.server import MasterServer, ServerOptions
 
 SOAK = os.environ.get("MOONCAKE_SOAK") == "1"
@@ -64,7 +64,9 @@ PATTERNS = ["^a/", "^b/", "1$", "^f/", "."]
 READ_ERRORS = (ObjectNotFound, LeaseExpired)
 
 keys = st.sampled_from(KEYS + FILL_KEYS)
-sizes = st.one_of(st.integers(1, 4096), st.integers(4097, 48 << 10), st.integers(64 << 10, BIG))
+# a few sizes recur, so puts also go through reserved slots (a size's second put on)
+sizes = st.one_of(st.sampled_from([700, 4096, 30_000]), st.integers(1, 4096),
+                  st.integers(4097, 48 << 10), st.integers(64 << 10, BIG))
 seeds = st.integers(0, 1 << 32)
 kinds = st.sampled_from(["bytes", "bytearray", "memoryview", "numpy"])
 replica_nums = st.sampled_from([1, 2, 2])
@@ -507,3 +509,6 @@ def test_store_against_model(cluster: Cluster) -> None:
     cluster.clients[0].remove_all(force=True)
     stats = cluster.master.service.stats
     assert wait_until(lambda: stats()["used_bytes"] == 0, LEASE_S + 5), stats()
+    # puts of one round trip ran, and what their slots hold is all that is left
+    assert stats()["reserved_puts"] > 0, stats()
+    assert stats()["reserved_bytes"] <= (len(cluster.clients) + 1) * MAX_CLIENT_SLOT_NBYTES
