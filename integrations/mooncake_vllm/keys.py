@@ -14,6 +14,8 @@ import hashlib
 import os
 from typing import TYPE_CHECKING, Sequence
 
+from mooncake_plugins.store import block_keys
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -66,11 +68,11 @@ class BlockKeys:
         return [bytes(hashes[i]).hex() for i in range(step - 1, len(hashes), step)]
 
     def key(self, block_hash: str, tp_rank: int) -> str:
-        return f"{self._base}/tp{tp_rank}of{self.tp_size}/{block_hash}"
+        return block_keys.block_key(self._base, block_hash, tp_rank, self.tp_size)
 
     def keys(self, block_hashes: Sequence[str], tp_rank: int) -> list[str]:
         return [self.key(h, tp_rank) for h in block_hashes]
 
     def all_ranks(self, block_hashes: Sequence[str]) -> list[str]:
         """Every rank's key of each block, block-major: ``[b0r0, b0r1, ..., b1r0, ...]``."""
-        return [self.key(h, r) for h in block_hashes for r in range(self.tp_size)]
+        return block_keys.all_ranks(self._base, block_hashes, self.tp_size)

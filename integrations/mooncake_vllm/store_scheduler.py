@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from mooncake_plugins.errors import MooncakeError
+from mooncake_plugins.store import block_keys
 
 from .config import StoreSettings
 from .keys import BlockKeys
@@ -116,10 +117,7 @@ class StoreScheduler:
             self._stats.add(lookup_errors=1)
             log.warning("store lookup failed (%s): computing the prompt instead", exc)
             return 0
-        ranks = self._keys.tp_size
-        hit = 0
-        while hit < len(hashes) and all(present[hit * ranks:(hit + 1) * ranks]):
-            hit += 1
+        hit = block_keys.leading_blocks(present, self._keys.tp_size)
         self._stats.add(lookups=1, lookup_hit_tokens=hit * self._bs)
         return hit
 

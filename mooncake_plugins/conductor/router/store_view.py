@@ -2,7 +2,7 @@
 ``pool_prefix``.
 
 Our vLLM store connector keys a block ``{base}/tp{rank}of{size}/{vLLM block hash}``, the
-base naming the model and KV layout (``integrations/mooncake_vllm/keys.py``). The router
+base naming the model and KV layout (:mod:`mooncake_plugins.store.block_keys`). The router
 computes the prompt's vLLM block hashes (:mod:`.vllm_hashes`), and the first time a
 prompt's first block is in the store it learns the base and TP size from the master
 (``keys_with_suffix``, a scan the master answers without taking leases); after that one
@@ -14,18 +14,15 @@ line a minute and counts as holding nothing.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from typing import Sequence
 
 from ...errors import MooncakeError
+from ...store import block_keys
 from ...store.rpc import RpcClient
 from .vllm_hashes import VllmBlockHashes
 
 log = logging.getLogger(__name__)
-
-_KEY = re.compile(r"^(?P<base>.+)/tp(?P<rank>\d+)of(?P<size>\d+)/[0-9a-f]+$")
-
 
 class StoreView:
     """The store's view for the router.
@@ -73,21 +70,17 @@ class StoreView:
             return 0
 
     def _held(self, base: str, size: int, hexes: list[str]) -> int:
-        keys = [f"{base}/tp{rank}of{size}/{h}" for h in hexes for rank in range(size)]
-        present = self._rpc.call("peek", keys=keys)
-        blocks = 0
-        while blocks < len(hexes) and all(present[blocks * size:(blocks + 1) * size]):
-            blocks += 1
-        return blocks
+        present = self._rpc.call("peek", keys=block_keys.all_ranks(base, hexes, size))
+        return block_keys.leading_blocks(present, size)
 
     def _discover(self, first_hex: str) -> bool:
         """Learn the layouts that hold the block ``first_hex``; whether any is new."""
         new = False
         for key in self._rpc.call("keys_with_suffix", suffix="/" + first_hex, limit=64):
-            m = _KEY.match(key) if isinstance(key, str) else None
-            if m is None or int(m["rank"]) >= int(m["size"]):
+            parsed = block_keys.parse(key) if isinstance(key, str) else None
+            if parsed is None:
                 continue
-            layout = (m["base"], int(m["size"]))
+            layout = (parsed[0], parsed[2])
             if layout not in self.layouts:
                 log.info("store layout learned: %s/tp*of%d", *layout)
                 self.layouts.append(layout)
