@@ -236,6 +236,9 @@ SLOT_POOL_NBYTES = 1 << 20
 """... and at most this many bytes of them per class."""
 SLOT_CLASSES = 4
 """Classes with slots at once (the least recently used one's slots are left to expire)."""
+SLOT_RETRY_S = 5.0
+"""After the master granted no slot of a size (no room, the client's share used up, fewer
+segments than replicas), puts of that size go the two-trip way this long without asking."""
 SLOT_FRESH_S = 0.5
 """A slot is written only within this long of the master's last answer. Slots are not
 journaled: a master that died took them along, and the one that replaces it may hand
@@ -324,7 +327,8 @@ class StoreClient(DerivedForms):
         self._failover_run: _Failover | None = None   # guarded by _rpc_lock
         # reserved slots per (nbytes, replica_num): [(slot id, replicas, usable until)]
         self._slots: OrderedDict[tuple[int, int], list[tuple[int, list, float]]] = OrderedDict()
-        self._seen_sizes: OrderedDict[tuple[int, int], None] = OrderedDict()
+        # sizes put lately -> when to ask for slots of them again (0: now)
+        self._seen_sizes: OrderedDict[tuple[int, int], float] = OrderedDict()
         self._slots_lock = threading.Lock()
         self._epoch = 0            # registrations since start: a slot is of the epoch it came in
         self._answered = 0.0       # monotonic time of the master's last answer
@@ -726,8 +730,10 @@ class StoreClient(DerivedForms):
         seen for the first time, no slots to be had. Keys whose slot was refused (expired,
         or its segment gone) or whose write failed go through :meth:`_put_started`."""
         nbytes, n = sizes[0], len(keys)
+        # one replica: a slot of several can lose one with a segment while its client
+        # goes on writing into the others, whose space the master then hands out again
         if (config.preferred_segments or not 0 < nbytes <= MAX_SLOT_NBYTES
-                or not 1 <= config.replica_num <= 16 or any(z != nbytes for z in sizes)):
+                or config.replica_num != 1 or any(z != nbytes for z in sizes)):
             return None
         cls = (nbytes, config.replica_num)
         if n > _slot_target(*cls):
@@ -736,19 +742,22 @@ class StoreClient(DerivedForms):
         taken = self._take_slots(cls, n)
         if taken is None:
             with self._slots_lock:
-                seen = cls in self._seen_sizes
-                self._seen_sizes[cls] = None
-                self._seen_sizes.move_to_end(cls)
+                ask_after = self._seen_sizes.pop(cls, None)   # None: a size not seen yet
+                self._seen_sizes[cls] = 0.0 if ask_after is None else ask_after
                 if len(self._seen_sizes) > 4 * SLOT_CLASSES:
                     self._seen_sizes.popitem(last=False)
-            if not seen:  # a one-off size would only hold slots nobody uses
-                return None
-            with self._slots_lock:
                 want = max(0, _slot_target(*cls) - len(self._slots.get(cls, ())))
+            # a one-off size would only hold slots nobody uses; a refused one waits
+            if ask_after is None or time.monotonic() < ask_after:
+                return None
             # with slots left, this also asks whether the master that placed them still
             # answers (they were left alone because it had not lately)
-            self._add_slots(cls, self._call("reserve", client_id=self.client_id, nbytes=nbytes,
-                                            replica_num=config.replica_num, count=want), epoch)
+            granted = self._call("reserve", client_id=self.client_id, nbytes=nbytes,
+                                 replica_num=config.replica_num, count=want)
+            if want and not granted["slots"]:   # no room, share used up, too few segments
+                with self._slots_lock:
+                    self._seen_sizes[cls] = time.monotonic() + SLOT_RETRY_S
+            self._add_slots(cls, granted, epoch)
             taken = self._take_slots(cls, n)
             if taken is None:
                 return None

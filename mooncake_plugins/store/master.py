@@ -468,7 +468,8 @@ class MasterService:
         for key, cp in list(self._copies.items()):
             if self._on(cp.source, names) or any(self._on(r, names) for r in cp.new):
                 self._cancel_copy(key)
-        self._drop_slots(lambda slot: any(self._on(r, names) for r in slot.replicas))
+        self._drop_slots(lambda slot: any(self._on(r, names) for r in slot.replicas),
+                         client_may_write=True)
         for _, cp in self._cancelled:  # their space there went with the segment
             kept = [[s for s in r if s[0] not in names] for r in cp.new]
             cp.new = [r for r in kept if r]
@@ -707,7 +708,10 @@ class MasterService:
                     replicas = self._place(client_id, nbytes, cfg, high=True)
                 except (NoAvailableSpace, StoreSegmentNotFound):
                     break
-                if len(replicas) < replica_num:  # a slot promises every replica
+                # a slot promises every replica, each whole on one segment (a slot that
+                # lost part of itself with a segment would leave its client writing into
+                # space handed out again)
+                if len(replicas) < replica_num or any(len(r) > 1 for r in replicas):
                     for r in replicas:
                         self._free(r)
                     break
@@ -770,10 +774,15 @@ class MasterService:
             for r in slot.replicas:
                 self._free(r)
 
-    def _drop_slots(self, pred: Callable[[Slot], bool]) -> None:
-        """Free the slots ``pred`` picks (shards on segments that are gone free nothing)."""
+    def _drop_slots(self, pred: Callable[[Slot], bool], client_may_write: bool = False) -> None:
+        """Free the slots ``pred`` picks (shards on segments that are gone free nothing).
+        ``client_may_write``: their client lives on and may still be writing into them, so
+        their space is freed only once it can no longer use them (as an unused slot's)."""
         for rid, slot in [(rid, slot) for rid, slot in self._slots.items() if pred(slot)]:
-            self._drop_slot(rid, slot)
+            self._drop_slot(rid, slot, free=not client_may_write)
+            if client_may_write:
+                until = slot.made + self.config.put_start_discard_timeout_s
+                self._deferred.extend((until, r) for r in slot.replicas)
 
     def put_revoke(self, client_id: str, key: str) -> None:
         with self._lock:

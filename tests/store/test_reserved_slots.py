@@ -3,8 +3,8 @@ with a fake clock: what a slot becomes, who may use it, and that its space alway
 
 import pytest
 
-from mooncake_plugins.errors import (InvalidParams, ObjectAlreadyExists, ObjectNotFound,
-                                     UnavailableInCurrentStatus)
+from mooncake_plugins.errors import (InvalidParams, NoAvailableSpace, ObjectAlreadyExists,
+                                     ObjectNotFound, UnavailableInCurrentStatus)
 from mooncake_plugins.store.master import (MAX_CLIENT_SLOT_NBYTES, MasterConfig, MasterService,
                                            PutConfig)
 
@@ -129,13 +129,24 @@ def test_unused_slots_expire_and_clients_and_segments_take_theirs_along():
 
 
 def test_a_slot_with_a_shard_on_a_segment_that_goes_is_dropped_whole():
-    m = service(Clock(), nsegs=2)
+    clock = Clock()
+    m = service(clock, nsegs=2, seg_nbytes=64 * 4096, put_start_discard_timeout_s=30)
     pairs = m.reserve("c0", 4096, 2, 8)      # one replica on each segment
+    assert len(pairs) == 4                   # the client's share: 1/16 of 512 KiB
     assert all({r[0][0] for r in reps} == {"seg0", "seg1"} for _, reps in pairs)
     m.unmount_segment("c1", "seg1")
-    assert m.stats()["reserved_slots"] == 0 and balance(m) == (0, 0)
+    assert m.stats()["reserved_slots"] == 0
     with pytest.raises(ObjectNotFound):
         m.put_reserved("c0", "k", pairs[0][0], PutConfig())
+    # c0 may still be writing into the seg0 halves: that space is not handed out again
+    # until the slots could no longer be used
+    with pytest.raises(NoAvailableSpace):
+        m.put_start("c0", "x", 64 * 4096, PutConfig())   # the whole of seg0
+    clock.t += 31
+    m.heartbeat("c0")
+    m.reap()
+    assert balance(m) == (0, 0)
+    m.put_start("c0", "x", 64 * 4096, PutConfig())
 
 
 def test_a_slot_on_a_draining_segment_is_refused():
@@ -145,3 +156,9 @@ def test_a_slot_on_a_draining_segment_is_refused():
     with pytest.raises(UnavailableInCurrentStatus):
         m.put_reserved("c0", "k", rid, PutConfig())
     assert balance(m) == (0, 0) and m.exist_many(["k"], lease=False) == [False]
+
+
+def test_a_slot_is_never_striped_over_segments():
+    m = service(Clock(), nsegs=2, stripe_nbytes=4096)   # an 8 KiB object would be striped
+    assert m.reserve("c0", 8192, 1, 4) == [] and balance(m) == (0, 0)
+    assert len(m.reserve("c0", 4096, 1, 4)) == 4         # one shard each

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from mooncake_plugins.store import client as client_module
 from mooncake_plugins.store.client import SMALL_PUT_NBYTES, ReplicateConfig, StoreClient
@@ -123,3 +124,31 @@ def test_a_client_the_master_forgot_drops_its_slots_and_the_put_lands(master, mo
         c._add_slots((300, 1), {"slots": [[7, [[c.segment_name, 0, 300]]]], "use_within_s": 9.0},
                      epoch)
         assert c._epoch > epoch and c._slots == kept
+
+
+def test_a_size_the_master_has_no_slots_for_is_not_asked_about_on_every_put(master, monkeypatch):
+    # a 4 KiB pool: the client's share (1/16) holds no 300-byte slot
+    with StoreClient(master.address, global_segment_size=4096) as c:
+        monkeypatch.setattr(client_module, "SLOT_RETRY_S", 0.5)
+        c.put("a", b"1" * 300)
+        methods = _count_calls(c, monkeypatch)
+        c.put("b", b"2" * 300)            # asks once, gets nothing
+        c.put("c", b"3" * 300)
+        c.put("d", b"4" * 300)
+        assert [m for m in methods if m != "heartbeat"] == \
+            ["reserve", "put_start", "put_end"] + ["put_start", "put_end"] * 2
+        assert [c.get(k) for k in "bcd"] == [b"2" * 300, b"3" * 300, b"4" * 300]
+        time.sleep(0.5)
+        c.put("e", b"5" * 300)            # asked again after the wait, still nothing
+        assert methods[-3:] == ["reserve", "put_start", "put_end"]
+
+
+def test_only_single_replica_puts_take_slots(master, monkeypatch):
+    with StoreClient(master.address, global_segment_size=8 << 20) as a, \
+            StoreClient(master.address, global_segment_size=8 << 20) as b:
+        two = ReplicateConfig(replica_num=2)
+        methods = _count_calls(a, monkeypatch)
+        for i in range(3):
+            a.put(f"r{i}", bytes([i]) * 500, two)
+        assert [m for m in methods if m != "heartbeat"] == ["put_start", "put_end"] * 3
+        assert [b.get(f"r{i}") for i in range(3)] == [bytes([i]) * 500 for i in range(3)]
