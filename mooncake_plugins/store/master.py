@@ -627,15 +627,7 @@ class MasterService:
         with self._lock:
             self._client(client_id)
             now = self._clock()
-            meta = self._objects.get(key)
-            if meta is not None:
-                if meta.pending is not None:
-                    if now - meta.started < self.config.put_start_discard_timeout_s:
-                        raise ObjectAlreadyExists(f"{key!r} is being written by another put")
-                    self._discard_pending(key, meta)
-                    meta = self._objects.get(key)
-                if meta is not None and meta.complete and not cfg.upsert:
-                    raise ObjectAlreadyExists(f"{key!r} exists; use upsert to replace it")
+            self._check_writable(key, cfg.upsert, now)
             replicas = self._place(client_id, nbytes, cfg)
             meta = self._objects.get(key)
             if meta is None:
@@ -645,6 +637,20 @@ class MasterService:
             meta.pending_pin_ttl_ms, meta.pending_hard_pin = pin_ttl_ms, cfg.with_hard_pin
             self._take_free_seq()
             return replicas
+
+    def _check_writable(self, key: str, upsert: bool, now: float) -> None:
+        """Raise ObjectAlreadyExists unless a put may write ``key`` now; a put of it that
+        was abandoned (older than the discard timeout) is discarded first."""
+        meta = self._objects.get(key)
+        if meta is None:
+            return
+        if meta.pending is not None:
+            if now - meta.started < self.config.put_start_discard_timeout_s:
+                raise ObjectAlreadyExists(f"{key!r} is being written by another put")
+            self._discard_pending(key, meta)
+            meta = self._objects.get(key)
+        if meta is not None and meta.complete and not upsert:
+            raise ObjectAlreadyExists(f"{key!r} exists; use upsert to replace it")
 
     def _place(self, client_id: str, nbytes: int, cfg: PutConfig,
                high: bool = False) -> list[MemoryReplica]:
@@ -744,15 +750,8 @@ class MasterService:
                 pin_ttl_ms = cfg.pin_ttl_ms(self.config)
                 if any(self._on(r, self._draining) for r in slot.replicas):
                     raise UnavailableInCurrentStatus(f"slot {slot_id} is on a draining segment")
+                self._check_writable(key, cfg.upsert, self._clock())
                 meta = self._objects.get(key)
-                if meta is not None:
-                    if meta.pending is not None:
-                        if self._clock() - meta.started < self.config.put_start_discard_timeout_s:
-                            raise ObjectAlreadyExists(f"{key!r} is being written by another put")
-                        self._discard_pending(key, meta)
-                        meta = self._objects.get(key)
-                    if meta is not None and meta.complete and not cfg.upsert:
-                        raise ObjectAlreadyExists(f"{key!r} exists; use upsert to replace it")
             except BaseException:
                 for r in slot.replicas:
                     self._free(r)
