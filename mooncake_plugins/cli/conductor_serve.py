@@ -61,10 +61,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                        help="blocks remembered per instance (least recently routed dropped)")
     serve.add_argument("--tokenizer", help="Hugging Face tokenizer of the model, for exact "
                        "prompt lengths (else about 4 bytes a token)")
-    serve.add_argument("--store", metavar="HOST:PORT", help="our master's RPC address: "
-                       "prompts whose blocks the store holds (our vLLM store connector's "
-                       "keys) are priced as loads from it; needs token-id prompts or "
-                       "--tokenizer")
+    serve.add_argument("--store", metavar="HOST:PORT", help="our master's RPC address, or "
+                       "etcd://HOST:PORT of an HA group (its leader is followed): prompts "
+                       "whose blocks the store holds (our vLLM store connector's keys) are "
+                       "priced as loads from it; needs token-id prompts or --tokenizer")
+    serve.add_argument("--store-cluster-id", default="mooncake",
+                       help="the HA group's --cluster_id (with --store etcd://...)")
     serve.add_argument("--store-hash-algo", default="sha256",
                        help="the engines' --prefix-caching-hash-algo (sha256, sha256_cbor)")
     serve.add_argument("--store-hash-seed", help="the engines' PYTHONHASHSEED, if set")
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.store:
             store = StoreView(args.store, VllmBlockHashes(args.block_tokens,
                                                           args.store_hash_algo,
-                                                          args.store_hash_seed))
+                                                          args.store_hash_seed),
+                              cluster_id=args.store_cluster_id)
     except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as exc:
         sys.exit(f"mooncake-conductor: {exc}")
     if not len(pool):

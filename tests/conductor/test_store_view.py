@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 
 import pytest
+from helpers import free_port, wait_until
 
 from mooncake_plugins.conductor.costmodel import CostModel
 from mooncake_plugins.conductor.policies import Slo, make_policy
 from mooncake_plugins.conductor.router.store_view import StoreView
 from mooncake_plugins.conductor.router.vllm_hashes import VllmBlockHashes
-from mooncake_plugins.errors import ObjectHasLease
+from mooncake_plugins.errors import ObjectHasLease, SegmentAlreadyExists
 from mooncake_plugins.store.master import MasterConfig
 from mooncake_plugins.store.rpc import RpcClient
 from mooncake_plugins.store.server import MasterServer, ServerOptions
@@ -88,6 +90,58 @@ def test_an_unreachable_master_counts_as_holding_nothing(caplog) -> None:
     view.close()
     with pytest.raises(ValueError):
         StoreView("no-port", VllmBlockHashes(BLOCK))
+
+
+@pytest.mark.etcd
+def test_an_ha_group_is_followed_to_its_new_leader(etcd_server: str) -> None:
+    endpoints = etcd_server.split("://", 1)[1]
+    cluster = f"router-{uuid.uuid4().hex[:8]}"
+
+    def start() -> MasterServer:
+        server = MasterServer(MasterConfig(), ServerOptions(
+            rpc_port=free_port(), enable_ha=True, etcd_endpoints=endpoints, cluster_id=cluster))
+        assert server.start()
+        return server
+
+    def write(server: MasterServer, new_keys: list[str]) -> None:
+        rpc = RpcClient("127.0.0.1", server.port)
+        try:
+            rpc.call("register_client", client_id="writer", host_id="h")
+            try:
+                rpc.call("mount_segment", client_id="writer", segment="seg", base=1 << 32,
+                         nbytes=1 << 24)
+            except SegmentAlreadyExists:   # a new leader knows it from the journal
+                pass
+            put(rpc, new_keys)
+        finally:
+            rpc.close()
+
+    prompt = tokens(5, 4)
+    keys = [f"{BASE}/tp0of1/{h.hex()}" for h in VllmBlockHashes(BLOCK).of(prompt)]
+    first = start()
+    view = StoreView(f"etcd://{endpoints}", VllmBlockHashes(BLOCK), rediscover_s=0,
+                     timeout_s=0.5, cluster_id=cluster)
+    second = None
+    try:
+        write(first, keys[:2])
+        assert view.prefix_blocks(prompt) == 2
+        assert view.address == f"127.0.0.1:{first.port}"
+        first.close()   # resigns; the next master elected starts from its journal
+        assert view.prefix_blocks(prompt) == 0   # no leader: nothing held, no waiting
+        second = start()
+        write(second, keys[2:3])
+        # the request that finds the old leader gone counts nothing; a later one asks
+        # the new leader (etcd is read again at most once a second)
+        assert wait_until(lambda: view.prefix_blocks(prompt) == 3, timeout_s=20,
+                          interval_s=0.2)
+        assert view.address == f"127.0.0.1:{second.port}"
+    finally:
+        view.close()
+        first.close()
+        if second is not None:
+            second.close()
+    with pytest.raises(ValueError):
+        StoreView("etcd://", VllmBlockHashes(BLOCK))
 
 
 def test_the_router_prices_a_prefix_the_store_holds_as_a_load(master) -> None:

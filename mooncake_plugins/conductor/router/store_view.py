@@ -9,6 +9,12 @@ prompt's first block is in the store it learns the base and TP size from the mas
 ``peek`` per request (no lease either: a router's look must not keep blocks from
 eviction) says which blocks every rank has. A master that cannot be reached costs a log
 line a minute and counts as holding nothing.
+
+An HA master group (``etcd://host:port[;host:port]``) is followed as the store's clients
+follow it: the leader published in etcd is asked; when it cannot be reached, etcd is read
+again (at most once a second) and a new leader is used from the next request on. The
+request that found the leader gone counts the store as holding nothing; the router never
+waits for an election.
 """
 
 from __future__ import annotations
@@ -17,34 +23,60 @@ import logging
 import time
 from typing import Sequence
 
-from ...errors import MooncakeError
+from ...errors import MooncakeError, RpcFailed
 from ...store import block_keys
+from ...store.ha import find_leader, parse_etcd_endpoints
 from ...store.rpc import RpcClient
 from .vllm_hashes import VllmBlockHashes
 
 log = logging.getLogger(__name__)
 
+LEADER_LOOKUP_S = 1.0
+"""Least time between two reads of an HA group's leader from etcd."""
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"store master {address!r} must be HOST:PORT or etcd://HOST:PORT")
+    return host, int(port)
+
+
 class StoreView:
     """The store's view for the router.
 
     Args:
-        master: ``host:port`` of the master's RPC.
+        master: ``host:port`` of the master's RPC, or ``etcd://host:port[;host:port]`` of
+            an HA group's etcd (the leader is followed).
         hashes: the engines' block hashing (block size, algorithm, seed).
         rediscover_s: while no known layout holds a prompt's first block, look for new
             layouts at most this often.
+        timeout_s: RPC timeout.
+        cluster_id: the HA group's ``--cluster_id`` (with ``etcd://`` only).
     """
 
     def __init__(self, master: str, hashes: VllmBlockHashes, rediscover_s: float = 30.0,
-                 timeout_s: float = 2.0) -> None:
-        host, _, port = master.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"store master {master!r} must be HOST:PORT")
+                 timeout_s: float = 2.0, cluster_id: str = "mooncake") -> None:
         self.hashes = hashes
         self.layouts: list[tuple[str, int]] = []   # (base, TP size)
-        self._rpc = RpcClient(host, int(port), timeout_s)
+        self._timeout_s = timeout_s
+        self._etcd: str | None = None
+        self._rpc: RpcClient | None = None
+        if master.startswith("etcd://"):
+            self._etcd = master[len("etcd://"):]
+            parse_etcd_endpoints(self._etcd)   # ValueError (InvalidArgument) on bad input
+            self._cluster_id = cluster_id
+        else:
+            self._rpc = RpcClient(*_split(master), timeout_s)
+        self._next_lookup = 0.0
         self._rediscover_s = rediscover_s
         self._next_discovery = 0.0
         self._next_warning = 0.0
+
+    @property
+    def address(self) -> str:
+        """The master asked now (``host:port``; the etcd URL while no leader is known)."""
+        return self._rpc.address if self._rpc is not None else f"etcd://{self._etcd}"
 
     def prefix_blocks(self, token_ids: Sequence[int]) -> int:
         """Leading blocks of the prompt ``token_ids`` the store holds for every rank of
@@ -66,17 +98,37 @@ class StoreView:
             if time.monotonic() >= self._next_warning:
                 self._next_warning = time.monotonic() + 60
                 log.warning("store master %s: %s (the store's blocks are not priced)",
-                            self._rpc.address, exc)
+                            self.address, exc)
+            if self._etcd is not None and self._rpc is not None:
+                self._rpc.close()   # the leader may have changed: read etcd next time
+                self._rpc = None
             return 0
 
+    def _master(self) -> RpcClient:
+        """The RPC client of the master to ask (an HA group's leader, read from etcd)."""
+        if self._rpc is not None:
+            return self._rpc
+        assert self._etcd is not None
+        if time.monotonic() < self._next_lookup:
+            raise RpcFailed(f"no leader of {self._cluster_id!r} in etcd://{self._etcd} yet")
+        self._next_lookup = time.monotonic() + LEADER_LOOKUP_S
+        leader = find_leader(self._etcd, self._cluster_id)
+        if leader is None:
+            raise RpcFailed(f"no leader of {self._cluster_id!r} published in "
+                            f"etcd://{self._etcd}")
+        log.info("store master: the leader of %r is %s (term %d)", self._cluster_id,
+                 leader.address, leader.term)
+        self._rpc = RpcClient(*_split(leader.address), self._timeout_s)
+        return self._rpc
+
     def _held(self, base: str, size: int, hexes: list[str]) -> int:
-        present = self._rpc.call("peek", keys=block_keys.all_ranks(base, hexes, size))
+        present = self._master().call("peek", keys=block_keys.all_ranks(base, hexes, size))
         return block_keys.leading_blocks(present, size)
 
     def _discover(self, first_hex: str) -> bool:
         """Learn the layouts that hold the block ``first_hex``; whether any is new."""
         new = False
-        for key in self._rpc.call("keys_with_suffix", suffix="/" + first_hex, limit=64):
+        for key in self._master().call("keys_with_suffix", suffix="/" + first_hex, limit=64):
             parsed = block_keys.parse(key) if isinstance(key, str) else None
             if parsed is None:
                 continue
@@ -88,4 +140,5 @@ class StoreView:
         return new
 
     def close(self) -> None:
-        self._rpc.close()
+        if self._rpc is not None:
+            self._rpc.close()
