@@ -50,6 +50,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--policy", choices=POLICY_NAMES, default="conductor")
     serve.add_argument("--slo-ttft", type=float, default=30.0, help="TTFT objective, s")
     serve.add_argument("--slo-tbt", type=float, default=0.1, help="TBT objective, s")
+    serve.add_argument("--no-ttft-correction", action="store_true",
+                       help="price with the cost model as it is, not scaled per instance "
+                       "by the measured / predicted TTFT of its streamed requests")
     serve.add_argument("--no-early-reject", action="store_true",
                        help="conductor: serve every request even when predicted late")
     serve.add_argument("--cost-model", help="JSON file of CostModel fields (a calibration)")
@@ -171,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         logging.warning("no instance yet: add some with POST /instances")
     router = Router(RouterConfig(policy, slo, cost, args.block_tokens, args.decode_max_batch,
                                  args.retries, args.health_interval,
-                                 kv_events_timeout_s=args.kv_events_timeout, store=store),
+                                 kv_events_timeout_s=args.kv_events_timeout, store=store,
+                                 correct_ttft=not args.no_ttft_correction),
                     Hasher(args.block_tokens, tokenize), pool)
     web.run_app(router.app(), host=args.host, port=args.port, print=lambda *a: None)
 

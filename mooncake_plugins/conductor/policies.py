@@ -107,9 +107,11 @@ class Decision:
         pull_from: where the reused prefix beyond the local cache comes from: a prefill
             instance index, :data:`POOL`, or None for no pull.
         reused_blocks: prefix blocks that will not be recomputed (local hit plus pull).
-        predicted_ttft_s: the policy's TTFT estimate.
+        predicted_ttft_s: the policy's TTFT estimate (the view's expectation).
         predicted_tbt_s: the policy's TBT estimate.
         reject_reason: why the request is refused, or None when it is served.
+        model_ttft_s: the cost model's TTFT estimate before the view corrected it
+            (:meth:`ClusterView.expected_ttft_s`); None where it is ``predicted_ttft_s``.
     """
 
     prefill: int
@@ -119,6 +121,7 @@ class Decision:
     predicted_ttft_s: float
     predicted_tbt_s: float
     reject_reason: str | None = None
+    model_ttft_s: float | None = None
 
     @property
     def rejected(self) -> bool:
@@ -179,6 +182,11 @@ class ClusterView(Protocol):
     def decode_forecast(self, instance: int, at_s: float) -> DecodeForecast:
         """Predicted batch of decode ``instance`` at time ``at_s``."""
 
+    def expected_ttft_s(self, instance: int, model_ttft_s: float) -> float:
+        """The TTFT prefill ``instance`` is expected to show where the cost model (with
+        the view's queues) estimates ``model_ttft_s``: a live view corrects it by what
+        it measured there; the simulator, whose costs are the model's, returns it."""
+
 
 class Policy(ABC):
     """Base of the scheduling policies: shared estimates plus the ``choose`` contract.
@@ -234,14 +242,16 @@ class Policy(ABC):
         local = view.cached_prefix(instance, request.hash_ids)
         pool = view.pool_prefix(request.hash_ids)
         if pool.blocks > local.blocks:
-            ttft_s = self._pull_ttft_s(request, view, instance, local, pool)
+            model_s = self._pull_ttft_s(request, view, instance, local, pool)
             pull_from: PullSource | None = POOL
             reused = pool.blocks
         else:
-            ttft_s = self._local_ttft_s(request, view, instance, local)
+            model_s = self._local_ttft_s(request, view, instance, local)
             pull_from, reused = None, local.blocks
+        ttft_s = view.expected_ttft_s(instance, model_s)
         decode, tbt_s = self._pick_decode(request, view, instance, view.now_s + ttft_s)
-        return Decision(instance, decode, pull_from, reused, ttft_s, tbt_s)
+        return Decision(instance, decode, pull_from, reused, ttft_s, tbt_s,
+                        model_ttft_s=model_s)
 
     def _pick_decode(self, request: PrefixRequest, view: ClusterView, prefill: int,
                      first_token_s: float) -> tuple[int, float]:
@@ -356,11 +366,12 @@ class ConductorPolicy(Policy):
         pool = view.pool_prefix(hash_ids)
         # The two best peer caches, so every instance can exclude itself in O(1).
         order = sorted(range(len(hits)), key=lambda i: -hits[i].blocks)[:2]
-        best: tuple[float, int, PullSource | None, int] | None = None
+        # (expected TTFT, instance, source, reused blocks, the model's TTFT)
+        best: tuple[float, int, PullSource | None, int, float] | None = None
         for instance, local in enumerate(hits):
-            ttft_s = self._local_ttft_s(request, view, instance, local)
-            choice: tuple[float, int, PullSource | None, int] = (
-                ttft_s, instance, None, local.blocks)
+            model_s = self._local_ttft_s(request, view, instance, local)
+            choice: tuple[float, int, PullSource | None, int, float] = (
+                model_s, instance, None, local.blocks, model_s)
             sources: list[tuple[PullSource, PrefixHit]] = [(POOL, pool)]
             if self.migrate:
                 peer = next((i for i in order if i != instance), None)
@@ -370,11 +381,12 @@ class ConductorPolicy(Policy):
                 if source.blocks > local.blocks:
                     pull_s = self._pull_ttft_s(request, view, instance, local, source)
                     if pull_s < choice[0]:
-                        choice = (pull_s, instance, name, source.blocks)
+                        choice = (pull_s, instance, name, source.blocks, pull_s)
+            choice = (view.expected_ttft_s(instance, choice[0]), *choice[1:])
             if best is None or choice[0] < best[0]:
                 best = choice
         assert best is not None
-        ttft_s, instance, pull_from, reused = best
+        ttft_s, instance, pull_from, reused, model_s = best
         decode, tbt_s = self._pick_decode(request, view, instance, view.now_s + ttft_s)
         reason = None
         if self.early_reject:
@@ -386,7 +398,7 @@ class ConductorPolicy(Policy):
                 reason = f"predicted TBT {tbt_s * 1e3:.1f} ms > SLO {self.slo.tbt_s * 1e3:.1f} ms"
             if reason is not None:
                 logger.debug("reject (%d tokens): %s", request.input_length, reason)
-        return Decision(instance, decode, pull_from, reused, ttft_s, tbt_s, reason)
+        return Decision(instance, decode, pull_from, reused, ttft_s, tbt_s, reason, model_s)
 
 
 POLICY_NAMES: tuple[str, ...] = (RandomPolicy.name, RoundRobinPolicy.name,

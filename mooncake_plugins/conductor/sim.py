@@ -412,6 +412,9 @@ class _Replay:
 
     # ---- event loop -------------------------------------------------------------------
 
+    def expected_ttft_s(self, instance: int, model_ttft_s: float) -> float:
+        return model_ttft_s   # the replay's costs are the model's
+
     def run(self, progress: ProgressFn | None) -> None:
         events = self.events
         scale = 0.001 / self.rate_scale

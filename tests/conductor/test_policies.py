@@ -30,6 +30,7 @@ class FakeView:
     decode_max_batch: int = 8
     block_tokens: int = 512
     colocated: bool = False
+    slowdowns: dict[int, float] = field(default_factory=dict)   # measured / model TTFT
 
     @property
     def num_prefill(self) -> int:
@@ -50,6 +51,9 @@ class FakeView:
 
     def decode_forecast(self, instance: int, at_s: float) -> DecodeForecast:
         return self.forecasts[instance]
+
+    def expected_ttft_s(self, instance: int, model_ttft_s: float) -> float:
+        return model_ttft_s * self.slowdowns.get(instance, 1.0)
 
 
 def _request(blocks: int = 8) -> TraceRequest:
@@ -196,3 +200,23 @@ def test_colocated_views_decode_on_the_prefill_instance() -> None:
         assert (together.prefill, together.decode) == (1, 1)
         assert together.predicted_tbt_s == pytest.approx(
             COST.decode_step_s(7, 6000.0 + _request().input_length))
+
+
+def test_the_views_measured_correction_decides_and_rejects() -> None:
+    """Instance 0's model TTFT is the lower, but it was measured 3x slower than the model:
+    the conductor takes instance 1; the expectation, not the model, is checked against
+    the SLO; every policy reports both."""
+    fast_model = COST.prefill_s(4096)
+    view = FakeView([0.0, 0.5 * fast_model], slowdowns={0: 3.0})
+    decision = ConductorPolicy(COST, Slo(ttft_s=30.0)).choose(_request(), view)
+    assert decision.prefill == 1
+    assert decision.predicted_ttft_s == decision.model_ttft_s == pytest.approx(1.5 * fast_model)
+    view = FakeView([0.0], slowdowns={0: 3.0})
+    for slo_s, rejected in ((2.5 * fast_model, True), (3.5 * fast_model, False)):
+        decision = ConductorPolicy(COST, Slo(ttft_s=slo_s)).choose(_request(), view)
+        assert decision.rejected is rejected
+        assert decision.predicted_ttft_s == pytest.approx(3 * fast_model)
+        assert decision.model_ttft_s == pytest.approx(fast_model)
+    decision = LoadBalancePolicy(COST).choose(_request(), view)
+    assert (decision.predicted_ttft_s, decision.model_ttft_s) == (
+        pytest.approx(3 * fast_model), pytest.approx(fast_model))

@@ -176,6 +176,10 @@ def test_pd_requests_carry_the_prefill_handle_to_the_decode():
             assert second["kv_transfer_params"] == {k: v for k, v in HANDLE.items()
                                                     if k in PD_KEYS}
             assert second["max_tokens"] == 8 and second["stream"] is True
+            # the prefill's one-token answer timed its TTFT; the decode learned nothing
+            prefill, decode = (i["ttft_samples"] for i in await (await client.get(
+                "/instances")).json())
+            assert (prefill, decode) == (1, 0)
 
     run(main())
 
@@ -260,3 +264,60 @@ def test_a_full_engine_queues_new_prefills_until_a_slot_frees():
     pool.add("http://127.0.0.1:2", "decode")
     inst.role = "prefill"
     assert LiveView(pool, 16, 2, step_s=0.01).prefill_queue_s(0) == pytest.approx(0.05, abs=0.01)
+
+
+def test_ttft_estimates_learn_an_instance_slower_than_the_model():
+    """The engine prefills 3x slower than the cost model says. Non-streamed answers (whose
+    first byte is their last) teach nothing; streamed ones do, and then a request the
+    model alone would admit within the SLO is refused, where the learned ratio is on."""
+    cost = CostModel(prefill_fixed_s=0.0, prefill_s_per_token=1e-4, prefill_s_per_token_sq=0.0)
+    prompt = list(range(500))   # the model: 0.05 s; the engine: 0.15 s
+
+    async def main(correct: bool) -> tuple[list[int], dict, str]:
+        slow = OpenAIDouble("a", per_token_s=3e-4)
+        async with AsyncExitStack() as stack:
+            url = await serve(stack, slow)
+            r = router("conductor", [(url, "both")], slo=Slo(0.1, 1.0), cost=cost,
+                       correct_ttft=correct)
+            client = await stack.enter_async_context(TestClient(TestServer(r.app())))
+            codes = []
+            for i in range(24):
+                resp = await client.post("/v1/completions", json=complete(
+                    [i + 1000] + prompt, stream=i >= 4))
+                codes.append(resp.status)
+                await resp.read()
+            (inst,) = await (await client.get("/instances")).json()
+            return codes, inst, await (await client.get("/metrics")).text()
+
+    codes, inst, page = run(main(True))
+    assert inst["ttft_samples"] >= 4 and inst["ttft_samples"] < 20, inst
+    assert 2.0 < inst["ttft_ratio"] < 8.0, inst   # refusals begin past 0.1 / 0.05
+    assert codes[:8] == [200] * 8 and codes[-1] == 429, codes
+    assert "conductor_ttft_ratio{" in page
+    codes, inst, _ = run(main(False))
+    assert codes == [200] * 24   # the model alone: 0.05 s, within the SLO
+    assert inst["ttft_samples"] == 20   # measured all the same
+
+
+def test_a_request_late_for_its_first_token_raises_the_expected_ratio_at_once():
+    """No answer has come back (a burst), but a request that waits longer than the ratio
+    predicts bounds it from below; untimed requests (not streamed) and ones the model
+    gave under 50 ms are not taken as evidence."""
+    from mooncake_plugins.conductor.router.instances import Pool, _Flight
+    from mooncake_plugins.conductor.router.view import LiveView
+
+    pool = Pool()
+    inst = pool.add("http://127.0.0.1:1")
+    now = pool.now()
+    assert inst.ttft_ratio(now) == 1.0
+    inst.flights[1] = _Flight(now - 0.3, 0.1, 100, model_ttft_s=0.1, timed=False)
+    inst.flights[2] = _Flight(now - 0.3, 0.01, 100, model_ttft_s=0.01, timed=True)
+    assert inst.ttft_ratio(now) == 1.0
+    inst.flights[3] = _Flight(now - 0.3, 0.1, 100, model_ttft_s=0.1, timed=True)
+    assert inst.ttft_ratio(now) == pytest.approx(3.0)
+    assert LiveView(pool, 16, 8).expected_ttft_s(0, 0.2) == pytest.approx(0.6, rel=0.05)
+    assert LiveView(pool, 16, 8, correct=False).expected_ttft_s(0, 0.2) == 0.2
+    inst.flights[3].first_token = True   # answered: the learned ratio alone again
+    assert inst.ttft_ratio(now) == 1.0
+    inst.flights[4] = _Flight(now - 60, 0.1, 100, model_ttft_s=0.1, timed=True)
+    assert inst.ttft_ratio(now) == 8.0   # within bounds

@@ -17,7 +17,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .ttft_correction import BOUNDS, TtftCorrection
+
 ROLES = ("both", "prefill", "decode")
+OVERDUE_MIN_S = 0.05
+"""A request waiting for its first token counts as evidence of a slower instance only
+where the model gave it at least this long (shorter ones are mostly HTTP overhead)."""
 DEFAULT_OUTPUT_TOKENS = 256
 """Tokens a request is expected to decode when its client set no ``max_tokens``."""
 
@@ -30,6 +35,9 @@ class _Flight:
     hash_ids: tuple[int, ...] = ()
     first_token: bool = False
     output_tokens: int = DEFAULT_OUTPUT_TOKENS   # its max_tokens, where the client set one
+    model_ttft_s: float = 0.0   # the cost model's TTFT estimate, before correction
+    timed: bool = False         # its first answer byte marks its first token (streamed, or
+                                # a P/D prefill of one token): it teaches the correction
 
 
 @dataclass
@@ -47,6 +55,7 @@ class Instance:
     decoding: dict[int, int] = field(default_factory=dict)   # request -> context tokens
     decode_ends: dict[int, float] = field(default_factory=dict)   # request -> last token at
     blocks: OrderedDict[int, float] = field(default_factory=OrderedDict)  # id -> ready at
+    ttft: TtftCorrection = field(default_factory=TtftCorrection)
 
     @property
     def usable(self) -> bool:
@@ -75,6 +84,17 @@ class Instance:
             heapq.heappush(ends, prefill_free + (f.output_tokens - 1) * step_s)
         return max(0.0, ends[0] - now) if len(ends) >= slots else 0.0
 
+    def ttft_ratio(self, now: float) -> float:
+        """Measured / model TTFT to expect here now: the learned ratio, or more where a
+        timed request still waiting for its first token is already later than the
+        learned ratio predicts (its lateness bounds the ratio from below before its
+        answer comes: in a burst no answer comes back before the next decisions)."""
+        ratio = self.ttft.ratio
+        for f in self.flights.values():
+            if f.timed and not f.first_token and f.model_ttft_s >= OVERDUE_MIN_S:
+                ratio = max(ratio, (now - f.started_s) / f.model_ttft_s)
+        return min(ratio, BOUNDS[1])
+
     def prefix(self, hash_ids: Iterable[int]) -> tuple[int, float]:
         """Leading blocks of ``hash_ids`` this instance holds, and when the last is ready."""
         count, ready = 0, 0.0
@@ -96,7 +116,8 @@ class Instance:
         return {"url": self.url, "role": self.role, "kv_events": self.kv_events,
                 "healthy": self.healthy,
                 "draining": self.draining, "in_flight": len(self.flights),
-                "decoding": len(self.decoding), "cached_blocks": len(self.blocks)}
+                "decoding": len(self.decoding), "cached_blocks": len(self.blocks),
+                "ttft_ratio": round(self.ttft.ratio, 3), "ttft_samples": self.ttft.samples}
 
 
 class Pool:

@@ -30,8 +30,8 @@ import uuid
 from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
-                               generate_latest)
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
 
 from ..costmodel import CostModel
 from ..policies import POOL, Decision, Policy, Slo
@@ -67,6 +67,9 @@ class RouterConfig:
     stream stopped: what the view holds of it can no longer be trusted)."""
     store: StoreView | None = None
     """The shared store's holdings (``pool_prefix``), when the router knows its master."""
+    correct_ttft: bool = True
+    """Scale each instance's TTFT estimates by the ratio measured there (streamed
+    requests and P/D prefills, whose first answer byte is their first token)."""
 
 
 class _Metrics:
@@ -91,6 +94,9 @@ class _Metrics:
         self.predicted = Histogram("conductor_predicted_ttft_seconds", "The policy's TTFT "
                                    "estimate", ["instance"], buckets=buckets,
                                    registry=self.registry)
+        self.ratio = Gauge("conductor_ttft_ratio", "Measured / cost-model TTFT, learned "
+                           "from streamed requests and P/D prefills", ["instance"],
+                           registry=self.registry)
 
 
 class Router:
@@ -110,7 +116,8 @@ class Router:
     def decide(self, req: RoutedRequest, pool_blocks: int = 0) -> tuple[Decision, LiveView]:
         batch = self.config.decode_max_batch
         view = LiveView(self.pool, self.config.block_tokens, batch,
-                        self.config.cost.decode_step_s(batch, 0.0), pool_blocks)
+                        self.config.cost.decode_step_s(batch, 0.0), pool_blocks,
+                        self.config.correct_ttft)
         if not view.prefill or not view.decode:
             raise web.HTTPServiceUnavailable(text=json.dumps({"error": "no usable instance"}),
                                              content_type="application/json")
@@ -118,15 +125,22 @@ class Router:
 
     def admit(self, rid: int, req: RoutedRequest, decision: Decision, view: LiveView
               ) -> tuple[Instance, Instance]:
+        """Apply ``decision``: the request is in flight on its prefill (and decode)
+        instance."""
         prefill = view.prefill[decision.prefill]
         local = prefill.prefix(req.hash_ids)[0]   # before this request is learned
         # engines that prefill and decode (no P/D roles) decode where they prefilled
         decode = view.decode[decision.decode] if self.pool.disaggregated() else prefill
         now = self.pool.now()
         cached = min(decision.reused_blocks * self.config.block_tokens, req.input_length)
+        model_s = decision.predicted_ttft_s if decision.model_ttft_s is None \
+            else decision.model_ttft_s
         prefill.flights[rid] = _Flight(now, self.config.cost.prefill_s(req.input_length, cached),
                                        req.input_length, tuple(req.hash_ids),
-                                       output_tokens=req.max_tokens or DEFAULT_OUTPUT_TOKENS)
+                                       output_tokens=req.max_tokens or DEFAULT_OUTPUT_TOKENS,
+                                       model_ttft_s=model_s,
+                                       # the first answer byte is the first token
+                                       timed=req.stream or decode is not prefill)
         ready = now + decision.predicted_ttft_s
         prefill.learn(req.hash_ids, ready, self.pool.cache_blocks)
         self._last_routed[prefill.url] = now
@@ -144,6 +158,9 @@ class Router:
         flight = inst.flights.get(rid)
         if flight is not None and not flight.first_token:
             flight.first_token = True
+            if flight.timed:
+                inst.ttft.add(flight.model_ttft_s, self.pool.now() - flight.started_s)
+                self.metrics.ratio.labels(inst.url).set(inst.ttft.ratio)
             inst.decoding[rid] = flight.context_tokens
             step_s = self.config.cost.decode_step_s(len(inst.decoding),
                                                     sum(inst.decoding.values()))

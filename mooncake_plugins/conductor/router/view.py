@@ -16,10 +16,13 @@ class LiveView:
     ``pool_prefix`` is what the store holds of this request's prompt (``pool_blocks``,
     asked of the master by :class:`~.store_view.StoreView` before the view is taken;
     0 without a store or a prompt of token ids).
+
+    With ``correct``, ``expected_ttft_s`` scales the model's estimate by what was
+    measured on the instance (:meth:`~.instances.Instance.ttft_ratio`).
     """
 
     def __init__(self, pool: Pool, block_tokens: int, decode_max_batch: int,
-                 step_s: float = 0.0, pool_blocks: int = 0) -> None:
+                 step_s: float = 0.0, pool_blocks: int = 0, correct: bool = True) -> None:
         self.prefill: list[Instance] = pool.prefill_side()
         self.decode: list[Instance] = pool.decode_side()
         self._colocated = not pool.disaggregated()
@@ -28,6 +31,7 @@ class LiveView:
         self._block_tokens = block_tokens
         self._max_batch = decode_max_batch
         self._now = pool.now()
+        self._correct = correct
 
     @property
     def now_s(self) -> float:
@@ -73,3 +77,8 @@ class LiveView:
         return DecodeForecast(len(inst.decoding) + len(pending),
                               float(sum(inst.decoding.values())
                                     + sum(f.context_tokens for f in pending)))
+
+    def expected_ttft_s(self, instance: int, model_ttft_s: float) -> float:
+        if not self._correct:
+            return model_ttft_s
+        return model_ttft_s * self.prefill[instance].ttft_ratio(self._now)
