@@ -153,15 +153,19 @@ class Cluster:
         for i, (proc, url) in enumerate(zip(self.procs, self.urls)):
             wait_up(url + "/health", proc, f"engine {i} (log: {self.tmp}/engine{i}.log)")
 
-    def start_router(self, policy: str, slo: Slo, cost_file: Path) -> str:
+    def start_router(self, name: str, slo: Slo, cost_file: Path) -> str:
+        """The router with policy ``name`` (``conductor:raw``: without the measured TTFT
+        correction)."""
         port = free_port()
+        policy, _, variant = name.partition(":")
         cmd = [self.python, "-m", "mooncake_plugins.cli.conductor_serve", "serve",
                *[a for u, role in zip(self.urls, self.roles)
                  for a in ("--instance", u if role == "both" else f"{u}@{role}")],
                "--policy", policy, "--slo-ttft", str(slo.ttft_s), "--slo-tbt", str(slo.tbt_s),
                "--cost-model", str(cost_file), "--block-tokens", str(BLOCK),
-               "--decode-max-batch", "4", "--port", str(port), "--log-level", "WARNING"]
-        with open(self.tmp / f"router-{policy}.log", "wb") as f:
+               "--decode-max-batch", "4", "--port", str(port), "--log-level", "WARNING",
+               *(["--no-ttft-correction"] if variant == "raw" else [])]
+        with open(self.tmp / f"router-{policy}{variant}.log", "wb") as f:
             self.router = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                            start_new_session=True)
         url = f"http://127.0.0.1:{port}"
@@ -251,7 +255,10 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--slo-ttft", type=float, default=1.0)
     ap.add_argument("--slo-tbt", type=float, default=0.1)
-    ap.add_argument("--policies", default="round_robin,cache_aware,conductor")
+    ap.add_argument("--policies", default="round_robin,cache_aware,conductor:raw,conductor",
+                    help="policies in turn; conductor:raw prices with the calibrated model "
+                    "as it is, conductor also scales it per instance by the measured / "
+                    "predicted TTFT of what it served")
     ap.add_argument("--pd", action="store_true", help="one prefill and one decode engine "
                     "(our P/D connector) instead of two ordinary engines")
     ap.add_argument("--model", help="model directory (default: a tiny random Llama)")
@@ -293,7 +300,8 @@ def main() -> None:
             results = asyncio.run(replay(router, model, requests))
             measured = summarize(results, slo)
             cluster.stop_router()
-            sim = simulate(requests, make_policy(name, cost, slo), cluster_cfg, slo,
+            sim = simulate(requests, make_policy(name.partition(":")[0], cost, slo),
+                           cluster_cfg, slo,
                            keep_outcomes=True)
             rows[name] = {**measured, "sim_ttft_p50_s": sim.ttft.p50, "sim_served": sim.served,
                 "sim_tbt_p50_s": sim.tbt.p50, "sim_rejected": sim.rejected,
@@ -309,7 +317,7 @@ def main() -> None:
     finally:
         cluster.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{'policy':12} {'served':>6} {'in SLO':>6} {'rej':>4} {'TTFT p50':>9} "
+    print(f"{'policy':14} {'served':>6} {'in SLO':>6} {'rej':>4} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'TBT p50':>8} {'goodput':>9} | {'sim p50':>8} {'sim TBT':>8} "
           f"{'in SLO':>6} {'rej':>4} {'goodput':>9} {'p50 sim/meas':>12}")
     for name, r in rows.items():
@@ -317,7 +325,7 @@ def main() -> None:
             return f"{x * 1e3:6.0f}ms" if x is not None and x == x else "     -"
         ratio = (f"{r['sim_ttft_p50_s'] / r['ttft_p50_s']:11.2f}x" if r["ttft_p50_s"]
                  else "           -")
-        print(f"{name:12} {r['served']:6d} {r['good']:6d} {r['rejected']:4d} "
+        print(f"{name:14} {r['served']:6d} {r['good']:6d} {r['rejected']:4d} "
               f"{ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>9} {ms(r['tbt_p50_s']):>8} "
               f"{r['goodput_rps']:7.2f}/s | {ms(r['sim_ttft_p50_s']):>8} "
               f"{ms(r['sim_tbt_p50_s']):>8} {r['sim_good']:6d} {r['sim_rejected']:4d} "

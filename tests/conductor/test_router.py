@@ -176,7 +176,8 @@ def test_pd_requests_carry_the_prefill_handle_to_the_decode():
             assert second["kv_transfer_params"] == {k: v for k, v in HANDLE.items()
                                                     if k in PD_KEYS}
             assert second["max_tokens"] == 8 and second["stream"] is True
-            # the prefill's one-token answer timed its TTFT; the decode learned nothing
+            # the streamed answer timed its TTFT (to the decode's first token) for the
+            # prefill instance; the decode instance learned no TTFT
             prefill, decode = (i["ttft_samples"] for i in await (await client.get(
                 "/instances")).json())
             assert (prefill, decode) == (1, 0)
@@ -321,3 +322,80 @@ def test_a_request_late_for_its_first_token_raises_the_expected_ratio_at_once():
     assert inst.ttft_ratio(now) == 1.0
     inst.flights[4] = _Flight(now - 60, 0.1, 100, model_ttft_s=0.1, timed=True)
     assert inst.ttft_ratio(now) == 8.0   # within bounds
+
+
+def test_a_slow_instance_drains_its_queue_at_the_measured_speed():
+    from mooncake_plugins.conductor.router.instances import Pool, _Flight
+    from mooncake_plugins.conductor.router.view import LiveView
+
+    pool = Pool()
+    inst = pool.add("http://127.0.0.1:1")
+    now = pool.now()
+    # two prefills of 0.2 s (model) waiting since 0.2 s ago, the first already answered
+    # streams at twice the model's time: 0.4 s of model work left at full speed is
+    # 0.2 s; at half speed only 0.1 s of it has run
+    inst.flights[1] = _Flight(now - 0.2, 0.2, 100, model_ttft_s=0.2, timed=True)
+    inst.flights[2] = _Flight(now - 0.2, 0.2, 100, model_ttft_s=0.4, timed=True)
+    assert LiveView(pool, 16, 8, correct=False).prefill_queue_s(0) == pytest.approx(0.2, abs=0.01)
+    for _ in range(200):
+        inst.ttft.add(0.5, 1.0)
+    assert LiveView(pool, 16, 8).prefill_queue_s(0) == pytest.approx(0.3, abs=0.01)
+
+
+def test_the_decode_pace_is_learned_from_streamed_answers():
+    """The engine steps 5x slower than the model's decode step: the streamed answers'
+    pace teaches the decode ratio (non-streamed answers do not), and a full engine's
+    slot wait is priced at that pace."""
+    from mooncake_plugins.conductor.router.view import LiveView
+
+    cost = CostModel(decode_fixed_s=0.002, decode_s_per_request=0.0,
+                     decode_s_per_context_token=0.0)
+
+    async def main() -> Router:
+        engine = OpenAIDouble("a", step_s=0.01)
+        async with AsyncExitStack() as stack:
+            url = await serve(stack, engine)
+            r = router("round_robin", [(url, "both")], cost=cost)
+            client = await stack.enter_async_context(TestClient(TestServer(r.app())))
+            for i in range(8):
+                resp = await client.post("/v1/completions", json=complete(
+                    f"{i} " + PREFIX, max_tokens=32, stream=i >= 2))
+                assert resp.status == 200
+                await resp.read()
+            return r
+
+    r = run(main())
+    (inst,) = list(r.pool)
+    assert inst.tbt.samples == 6
+    assert 2.5 < inst.tbt.ratio < 8.0, inst.tbt.ratio
+    # one slot, held by a request with 11 tokens left: 10 steps of the learned pace
+    now = r.pool.now()
+    inst.decode_ends[1] = now + 1.0
+    from mooncake_plugins.conductor.router.instances import _Flight
+    inst.flights[2] = _Flight(now, 0.0, 100, output_tokens=11)
+    raw = LiveView(r.pool, 16, 1, step_s=0.002, correct=False).prefill_queue_s(0)
+    learned = LiveView(r.pool, 16, 1, step_s=0.002).prefill_queue_s(0)
+    assert raw == pytest.approx(1.02, abs=0.01)
+    assert learned == pytest.approx(1.0 + 0.02 * inst.tbt.ratio, abs=0.01)
+
+
+def test_pd_requests_take_a_decode_slot_only_from_their_first_token():
+    """One decode slot: three requests queue on one prefill instance (0.2 s each) and
+    each decodes for a few ms once its prefill is done, so one slot serves them in
+    turn. Before their first token they do not hold it (they did once: all but the
+    first were refused as finding no slot)."""
+    cost = CostModel(prefill_fixed_s=0.2, prefill_s_per_token=0.0, prefill_s_per_token_sq=0.0,
+                     decode_fixed_s=0.001)
+
+    async def main() -> list[int]:
+        p, d = OpenAIDouble("p", prefill=True, delay_s=0.2), OpenAIDouble("d")
+        async with AsyncExitStack() as stack:
+            pu, du = await serve(stack, p), await serve(stack, d)
+            client = await stack.enter_async_context(TestClient(TestServer(router(
+                "conductor", [(pu, "prefill"), (du, "decode")], cost=cost,
+                decode_max_batch=1).app())))
+            answers = await asyncio.gather(*(client.post("/v1/completions", json=complete(
+                f"{i} " + PREFIX, max_tokens=4, stream=True)) for i in range(3)))
+            return [a.status for a in answers]
+
+    assert run(main()) == [200, 200, 200]

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .ttft_correction import BOUNDS, TtftCorrection
+from .measured_ratio import BOUNDS, MeasuredRatio
 
 ROLES = ("both", "prefill", "decode")
 OVERDUE_MIN_S = 0.05
@@ -36,8 +36,8 @@ class _Flight:
     first_token: bool = False
     output_tokens: int = DEFAULT_OUTPUT_TOKENS   # its max_tokens, where the client set one
     model_ttft_s: float = 0.0   # the cost model's TTFT estimate, before correction
-    timed: bool = False         # its first answer byte marks its first token (streamed, or
-                                # a P/D prefill of one token): it teaches the correction
+    timed: bool = False         # streamed: its first answer byte is its first token, and
+                                # teaches the TTFT ratio
 
 
 @dataclass
@@ -54,21 +54,31 @@ class Instance:
     flights: dict[int, _Flight] = field(default_factory=dict)
     decoding: dict[int, int] = field(default_factory=dict)   # request -> context tokens
     decode_ends: dict[int, float] = field(default_factory=dict)   # request -> last token at
+    joining: dict[int, tuple[float, float, int]] = field(default_factory=dict)
+    """P/D decode side: requests still prefilling elsewhere -> (predicted first token,
+    predicted last token, context tokens): they take a slot here only from their first
+    token on."""
     blocks: OrderedDict[int, float] = field(default_factory=OrderedDict)  # id -> ready at
-    ttft: TtftCorrection = field(default_factory=TtftCorrection)
+    ttft: MeasuredRatio = field(default_factory=MeasuredRatio)
+    """Measured / model time to first token of streamed requests prefilled here (P/D:
+    to the decode's first token)."""
+    tbt: MeasuredRatio = field(default_factory=MeasuredRatio)
+    """Measured / model decode time (streamed answers, first token to last)."""
 
     @property
     def usable(self) -> bool:
         return self.healthy and not self.draining
 
-    def queue_s(self, now: float) -> float:
-        """Seconds of prefill ahead of a new request: the predicted prefill time of every
-        request still waiting for its first token, less what the oldest has run."""
+    def queue_s(self, now: float, ratio: float = 1.0) -> float:
+        """Seconds of prefill ahead of a new request, in the cost model's time: the
+        predicted prefill time of every request still waiting for its first token, less
+        what has run since the oldest came; an instance ``ratio`` times slower than the
+        model got through ``1 / ratio`` of the model's work a second."""
         waiting = [f for f in self.flights.values() if not f.first_token]
         if not waiting:
             return 0.0
         oldest = min(f.started_s for f in waiting)
-        return max(0.0, sum(f.prefill_s for f in waiting) - (now - oldest))
+        return max(0.0, sum(f.prefill_s for f in waiting) - (now - oldest) / ratio)
 
     def slot_wait_s(self, now: float, slots: int, step_s: float) -> float:
         """Seconds until one of ``slots`` (vLLM's ``--max-num-seqs``) is free for a new
@@ -117,7 +127,8 @@ class Instance:
                 "healthy": self.healthy,
                 "draining": self.draining, "in_flight": len(self.flights),
                 "decoding": len(self.decoding), "cached_blocks": len(self.blocks),
-                "ttft_ratio": round(self.ttft.ratio, 3), "ttft_samples": self.ttft.samples}
+                "ttft_ratio": round(self.ttft.ratio, 3), "ttft_samples": self.ttft.samples,
+                "tbt_ratio": round(self.tbt.ratio, 3), "tbt_samples": self.tbt.samples}
 
 
 class Pool:

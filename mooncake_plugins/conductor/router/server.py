@@ -68,8 +68,8 @@ class RouterConfig:
     store: StoreView | None = None
     """The shared store's holdings (``pool_prefix``), when the router knows its master."""
     correct_ttft: bool = True
-    """Scale each instance's TTFT estimates by the ratio measured there (streamed
-    requests and P/D prefills, whose first answer byte is their first token)."""
+    """Scale each instance's TTFT and decode estimates by the ratios measured there
+    (from streamed requests, whose first answer byte is their first token)."""
 
 
 class _Metrics:
@@ -95,7 +95,7 @@ class _Metrics:
                                    "estimate", ["instance"], buckets=buckets,
                                    registry=self.registry)
         self.ratio = Gauge("conductor_ttft_ratio", "Measured / cost-model TTFT, learned "
-                           "from streamed requests and P/D prefills", ["instance"],
+                           "from streamed requests", ["instance"],
                            registry=self.registry)
 
 
@@ -138,15 +138,15 @@ class Router:
         prefill.flights[rid] = _Flight(now, self.config.cost.prefill_s(req.input_length, cached),
                                        req.input_length, tuple(req.hash_ids),
                                        output_tokens=req.max_tokens or DEFAULT_OUTPUT_TOKENS,
-                                       model_ttft_s=model_s,
-                                       # the first answer byte is the first token
-                                       timed=req.stream or decode is not prefill)
+                                       model_ttft_s=model_s, timed=req.stream)
         ready = now + decision.predicted_ttft_s
         prefill.learn(req.hash_ids, ready, self.pool.cache_blocks)
         self._last_routed[prefill.url] = now
         if decode is not prefill:
             decode.learn(req.hash_ids, ready, self.pool.cache_blocks)
-            decode.decoding[rid] = req.input_length
+            output = req.max_tokens or DEFAULT_OUTPUT_TOKENS
+            decode.joining[rid] = (ready, ready + (output - 1) * self.step_s(decode),
+                                   req.input_length)
         self.metrics.hit_tokens.inc(cached)
         if decision.pull_from == POOL:   # what the instance itself holds is not loaded
             self.metrics.pool_tokens.inc(cached - min(local * self.config.block_tokens,
@@ -154,24 +154,49 @@ class Router:
         self.metrics.predicted.labels(prefill.url).observe(decision.predicted_ttft_s)
         return prefill, decode
 
-    def first_token(self, rid: int, inst: Instance) -> None:
+    def first_token(self, rid: int, inst: Instance, decode: Instance | None = None) -> None:
+        """Request ``rid``'s prefill on ``inst`` is done: it decodes on ``decode`` (``inst``
+        itself where it is not P/D) from now on."""
         flight = inst.flights.get(rid)
         if flight is not None and not flight.first_token:
             flight.first_token = True
-            if flight.timed:
-                inst.ttft.add(flight.model_ttft_s, self.pool.now() - flight.started_s)
-                self.metrics.ratio.labels(inst.url).set(inst.ttft.ratio)
-            inst.decoding[rid] = flight.context_tokens
-            step_s = self.config.cost.decode_step_s(len(inst.decoding),
-                                                    sum(inst.decoding.values()))
-            inst.decode_ends[rid] = self.pool.now() + (flight.output_tokens - 1) * step_s
-            inst.learn(flight.hash_ids, self.pool.now(), self.pool.cache_blocks)  # computed
+            now = self.pool.now()
+            decode = decode or inst
+            decode.joining.pop(rid, None)
+            decode.decoding[rid] = flight.context_tokens
+            decode.decode_ends[rid] = now + (flight.output_tokens - 1) * self.step_s(decode)
+            inst.learn(flight.hash_ids, now, self.pool.cache_blocks)  # computed
+
+    def first_byte(self, rid: int, inst: Instance) -> None:
+        """The client gets request ``rid``'s first answer byte (the prefill was on
+        ``inst``): for a streamed request that is its first token, which teaches
+        ``inst``'s TTFT ratio (P/D: the decode's first token, transfer included)."""
+        flight = inst.flights.get(rid)
+        if flight is not None and flight.timed:
+            inst.ttft.add(flight.model_ttft_s, self.pool.now() - flight.started_s)
+            self.metrics.ratio.labels(inst.url).set(inst.ttft.ratio)
+
+    def model_step_s(self, inst: Instance) -> float:
+        """The cost model's decode step on ``inst`` for the batch it decodes now."""
+        return self.config.cost.decode_step_s(max(1, len(inst.decoding)),
+                                              sum(inst.decoding.values()))
+
+    def step_s(self, inst: Instance) -> float:
+        """The decode step to expect on ``inst`` now (the model's, at the measured pace)."""
+        ratio = inst.tbt.ratio if self.config.correct_ttft else 1.0
+        return self.model_step_s(inst) * ratio
+
+    def decoded(self, inst: Instance, tokens: int, seconds: float) -> None:
+        """A streamed answer relayed ``tokens`` tokens after its first in ``seconds``."""
+        if tokens > 0:
+            inst.tbt.add(tokens * self.model_step_s(inst), seconds)
 
     def finish(self, rid: int, *instances: Instance) -> None:
         for inst in instances:
             inst.flights.pop(rid, None)
             inst.decoding.pop(rid, None)
             inst.decode_ends.pop(rid, None)
+            inst.joining.pop(rid, None)
 
     def take_out(self, inst: Instance, why: str) -> None:
         if inst.healthy:
@@ -211,7 +236,7 @@ class Router:
             try:
                 if decode is prefill:
                     return await self._forward(request, body, rid, prefill, "both")
-                params = await self._prefill(request, body, rid, prefill)
+                params = await self._prefill(request, body, rid, prefill, decode)
                 return await self._forward(request, dict(body, kv_transfer_params=params),
                                            rid, decode, "decode", started=prefill)
             except _Unreachable as exc:
@@ -222,7 +247,7 @@ class Router:
         return _error(502, f"no instance could take the request (tried {sorted(tried)})")
 
     async def _prefill(self, request: web.Request, body: dict, rid: int,
-                       inst: Instance) -> dict | None:
+                       inst: Instance, decode: Instance) -> dict | None:
         """The prefill leg of a P/D request: one token; the decode's kv_transfer_params."""
         first = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         first["max_tokens"] = 1
@@ -238,7 +263,7 @@ class Router:
                 answer = await resp.json()
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise _Unreachable(inst, f"prefill: {exc!r}") from exc
-        self.first_token(rid, inst)
+        self.first_token(rid, inst, decode)
         handed = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(handed, dict) or not handed.get("do_remote_prefill"):
             return None   # the prefill kept nothing: the decode computes the prompt
@@ -263,13 +288,20 @@ class Router:
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 raise _Unreachable(inst, repr(exc)) from exc   # nothing relayed yet
             await out.prepare(request)
+            events, t_first = -1, 0.0   # server-sent events after the first, and when
             while chunk:
                 if first:
                     first = False
-                    self.metrics.ttft.labels(inst.url).observe(time.perf_counter() - t0)
+                    t_first = time.perf_counter()
+                    self.metrics.ttft.labels(inst.url).observe(t_first - t0)
                     self.first_token(rid, started or inst)
+                    self.first_byte(rid, started or inst)
+                events += chunk.count(b"data: {")
+                t_last = time.perf_counter()
                 await out.write(chunk)
                 chunk = await resp.content.readany()
+            if events > 0:   # a stream of tokens: its pace teaches the decode ratio
+                self.decoded(inst, events, t_last - t_first)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError,
                 aiohttp.ClientPayloadError) as exc:
             self.metrics.failed.labels(inst.url).inc()

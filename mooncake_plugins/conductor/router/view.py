@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from ..policies import DecodeForecast, PrefixHit
@@ -18,7 +19,8 @@ class LiveView:
     0 without a store or a prompt of token ids).
 
     With ``correct``, ``expected_ttft_s`` scales the model's estimate by what was
-    measured on the instance (:meth:`~.instances.Instance.ttft_ratio`).
+    measured on the instance (:meth:`~.instances.Instance.ttft_ratio`), its queue
+    drains at the measured speed and its decodes step at the measured pace.
     """
 
     def __init__(self, pool: Pool, block_tokens: int, decode_max_batch: int,
@@ -59,9 +61,10 @@ class LiveView:
 
     def prefill_queue_s(self, instance: int) -> float:
         inst = self.prefill[instance]
-        queue = inst.queue_s(self._now)
+        queue = inst.queue_s(self._now, self._ratio(instance))
         if self._colocated:   # a prefill also waits for a free slot
-            queue = max(queue, inst.slot_wait_s(self._now, self._max_batch, self._step_s))
+            step_s = self._step_s * (inst.tbt.ratio if self._correct else 1.0)
+            queue = max(queue, inst.slot_wait_s(self._now, self._max_batch, step_s))
         return queue
 
     def cached_prefix(self, instance: int, hash_ids: Sequence[int]) -> PrefixHit:
@@ -72,13 +75,25 @@ class LiveView:
         return PrefixHit(self._pool_blocks, self._now)
 
     def decode_forecast(self, instance: int, at_s: float) -> DecodeForecast:
+        """Requests decoding on ``instance`` at ``at_s``: those decoding now and not
+        predicted to have ended by then, those prefilling here (they decode here next),
+        and P/D requests prefilling elsewhere predicted to have reached it by then and
+        not ended."""
         inst = self.decode[instance]
-        pending = [f for f in inst.flights.values() if not f.first_token]
-        return DecodeForecast(len(inst.decoding) + len(pending),
-                              float(sum(inst.decoding.values())
-                                    + sum(f.context_tokens for f in pending)))
+        requests, context = 0, 0
+        for rid, tokens in inst.decoding.items():
+            if inst.decode_ends.get(rid, math.inf) > at_s:
+                requests, context = requests + 1, context + tokens
+        for f in inst.flights.values():
+            if not f.first_token:
+                requests, context = requests + 1, context + f.context_tokens
+        for first_s, last_s, tokens in inst.joining.values():
+            if first_s <= at_s < last_s:
+                requests, context = requests + 1, context + tokens
+        return DecodeForecast(requests, float(context))
 
     def expected_ttft_s(self, instance: int, model_ttft_s: float) -> float:
-        if not self._correct:
-            return model_ttft_s
-        return model_ttft_s * self.prefill[instance].ttft_ratio(self._now)
+        return model_ttft_s * self._ratio(instance)
+
+    def _ratio(self, instance: int) -> float:
+        return self.prefill[instance].ttft_ratio(self._now) if self._correct else 1.0

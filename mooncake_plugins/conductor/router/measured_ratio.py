@@ -1,12 +1,12 @@
-"""How much slower (or faster) than the cost model an instance answers, learned online.
+"""How much slower (or faster) than the cost model an instance runs, learned online.
 
 The cost model is fitted once (``mooncake-conductor calibrate``) on an engine alone; in
 service the engine shares its host, decodes while it prefills, and its answers pass an
-API server and the router. :class:`TtftCorrection` keeps, per instance, the ratio of the
-measured times to first token to the model's estimates for the same requests, as sums
-that forget old requests (a half-life in requests) and start from a prior of equal
-sums. Sums rather than a mean of ratios: long requests, whose TTFT decides the SLO,
-weigh more than short ones dominated by a few ms of HTTP.
+API server and the router. :class:`MeasuredRatio` keeps, per instance and per phase
+(time to first token, decode), the ratio of measured times to the model's estimates for
+the same requests, as sums that forget old requests (a half-life in requests) and start
+from a prior of equal sums. Sums rather than a mean of ratios: long requests, whose
+times decide the SLO, weigh more than short ones dominated by a few ms of HTTP.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ BOUNDS = (0.25, 8.0)
 """The ratio is kept within these: a few odd measurements never silence an instance."""
 
 
-class TtftCorrection:
-    """The measured / model TTFT ratio of one instance.
+class MeasuredRatio:
+    """Measured / model time of one instance's requests in one phase.
 
     Args:
         half_life: requests after which a measurement weighs half.
@@ -48,6 +48,5 @@ class TtftCorrection:
 
     @property
     def ratio(self) -> float:
-        """Measured / model TTFT, within :data:`BOUNDS`."""
+        """Measured / model time, within :data:`BOUNDS`."""
         return min(BOUNDS[1], max(BOUNDS[0], self._measured_s / self._model_s))
-
