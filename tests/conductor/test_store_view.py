@@ -64,7 +64,8 @@ def test_the_blocks_every_rank_holds_are_counted(master) -> None:
     view = StoreView(f"127.0.0.1:{server.port}", VllmBlockHashes(BLOCK))
     try:
         assert view.prefix_blocks(prompt) == 3
-        assert sorted(view.layouts) == sorted([(BASE, 2), ("vllm/other-0/x", 1)])
+        assert sorted((lay.base, lay.size) for lay in view.layouts) == sorted(
+            [(BASE, 2), ("vllm/other-0/x", 1)])
         assert view.prefix_blocks(tokens(2, 5)) == 0     # another prompt: nothing held
         assert view.prefix_blocks(prompt[:3 * BLOCK]) == 2   # only blocks before its last token
         assert view.prefix_blocks(prompt[:5]) == 0
@@ -79,6 +80,35 @@ def test_the_blocks_every_rank_holds_are_counted(master) -> None:
     rpc.call("exist", keys=[f"{BASE}/tp1of2/{hexes[0]}"])    # a real reader's lease
     assert rpc.call("remove", keys=[f"{BASE}/tp1of2/{hexes[0]}"], force=False)[0][0] == \
         ObjectHasLease.code
+
+
+def test_vllm_in_tree_connector_keys_are_recognised(master) -> None:
+    """vLLM's own MooncakeStoreConnector keys a block
+    ``{model}@tp_rank:{r}@pcp0@dcp0@pp_rank:0@group:0@{hash}``: the TP size is learned
+    from the ranks seen, and grows when a later look sees more."""
+    server, rpc = master
+    prompt = tokens(6, 5)
+    hexes = [h.hex() for h in VllmBlockHashes(BLOCK).of(prompt)]
+    model = "/models/tiny-llama"
+
+    def key(rank: int, h: str) -> str:
+        return f"{model}@tp_rank:{rank}@pcp0@dcp0@pp_rank:0@group:0@{h}"
+
+    put(rpc, [key(0, h) for h in hexes[:3]])
+    view = StoreView(f"127.0.0.1:{server.port}", VllmBlockHashes(BLOCK), rediscover_s=0)
+    try:
+        assert view.prefix_blocks(prompt) == 3
+        (layout,) = view.layouts
+        assert (layout.kind, layout.base, layout.size) == ("vllm", model, 1)
+        # a second rank's key of block 0 appears: the next look learns TP 2, and only
+        # block 0 has both ranks
+        put(rpc, [key(1, hexes[0])])
+        assert view.prefix_blocks(prompt) == 1
+        assert [lay.size for lay in view.layouts] == [2]
+        put(rpc, [key(1, h) for h in hexes[1:3]])
+        assert view.prefix_blocks(prompt) == 3
+    finally:
+        view.close()
 
 
 def test_an_unreachable_master_counts_as_holding_nothing(caplog) -> None:

@@ -1,14 +1,22 @@
 """Which leading blocks of a prompt the shared store (our master) holds: the router's
 ``pool_prefix``.
 
-Our vLLM store connector keys a block ``{base}/tp{rank}of{size}/{vLLM block hash}``, the
-base naming the model and KV layout (:mod:`mooncake_plugins.store.block_keys`). The router
-computes the prompt's vLLM block hashes (:mod:`.vllm_hashes`), and the first time a
-prompt's first block is in the store it learns the base and TP size from the master
+Two key layouts are recognised, both ending in vLLM's block hash:
+
+- our vLLM store connector's, ``{base}/tp{rank}of{size}/{hash}``, the base naming the
+  model and KV layout (:mod:`mooncake_plugins.store.block_keys`);
+- vLLM's in-tree ``MooncakeStoreConnector``'s (run on our drop-in ``mooncake`` package),
+  ``{model}@tp_rank:{rank}@pcp{i}@dcp{j}@pp_rank:{k}@group:{g}@{hash}``; its TP size is
+  not in the key, so it is taken as the highest rank seen for a prompt's first block,
+  plus one, and looked at again now and then (pipeline stages count as layouts of their
+  own).
+
+The router computes the prompt's vLLM block hashes (:mod:`.vllm_hashes`), and the first
+time a prompt's first block is in the store it learns the layouts from the master
 (``keys_with_suffix``, a scan the master answers without taking leases); after that one
-``peek`` per request (no lease either: a router's look must not keep blocks from
-eviction) says which blocks every rank has. A master that cannot be reached costs a log
-line a minute and counts as holding nothing.
+``peek`` per request and layout (no lease either: a router's look must not keep blocks
+from eviction) says which blocks every rank has. A master that cannot be reached costs a
+log line a minute and counts as holding nothing.
 
 An HA master group (``etcd://host:port[;host:port]``) is followed as the store's clients
 follow it: the leader published in etcd is asked; when it cannot be reached, etcd is read
@@ -20,7 +28,9 @@ waits for an election.
 from __future__ import annotations
 
 import logging
+import re
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 from ...errors import MooncakeError, RpcFailed
@@ -30,6 +40,42 @@ from ...store.rpc import RpcClient
 from .vllm_hashes import VllmBlockHashes
 
 log = logging.getLogger(__name__)
+
+_VLLM_KEY = re.compile(r"^(?P<pre>.+)@tp_rank:(?P<rank>\d+)"
+                       r"(?P<post>@pcp\d+@dcp\d+@pp_rank:\d+@group:\d+)@(?P<hash>[0-9a-f]+)$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one model's blocks are keyed in the store: ``size`` TP ranks, keyed as our
+    connector does (``kind="ours"``, ``base``) or as vLLM's in-tree connector does
+    (``kind="vllm"``, ``base`` the key before ``@tp_rank:``, ``tail`` the part after the
+    rank)."""
+
+    kind: str
+    base: str
+    size: int
+    tail: str = ""
+
+    def keys(self, hexes: Sequence[str]) -> list[str]:
+        """Every rank's key of each block, block-major."""
+        if self.kind == "ours":
+            return block_keys.all_ranks(self.base, hexes, self.size)
+        return [f"{self.base}@tp_rank:{r}{self.tail}@{h}" for h in hexes
+                for r in range(self.size)]
+
+    @staticmethod
+    def of(key: str) -> tuple[Layout, int] | None:
+        """The layout a block key belongs to (its size as far as this key tells) and
+        its rank; None for any other key."""
+        parsed = block_keys.parse(key)
+        if parsed is not None:
+            return Layout("ours", parsed[0], parsed[2]), parsed[1]
+        m = _VLLM_KEY.match(key)
+        if m is None:
+            return None
+        return Layout("vllm", m["pre"], int(m["rank"]) + 1, m["post"]), int(m["rank"])
+
 
 LEADER_LOOKUP_S = 1.0
 """Least time between two reads of an HA group's leader from etcd."""
@@ -49,8 +95,9 @@ class StoreView:
         master: ``host:port`` of the master's RPC, or ``etcd://host:port[;host:port]`` of
             an HA group's etcd (the leader is followed).
         hashes: the engines' block hashing (block size, algorithm, seed).
-        rediscover_s: while no known layout holds a prompt's first block, look for new
-            layouts at most this often.
+        rediscover_s: while no known layout holds a prompt's first block (or a vLLM
+            layout's TP size may be larger than seen), look for layouts at most this
+            often.
         timeout_s: RPC timeout.
         cluster_id: the HA group's ``--cluster_id`` (with ``etcd://`` only).
     """
@@ -58,7 +105,7 @@ class StoreView:
     def __init__(self, master: str, hashes: VllmBlockHashes, rediscover_s: float = 30.0,
                  timeout_s: float = 2.0, cluster_id: str = "mooncake") -> None:
         self.hashes = hashes
-        self.layouts: list[tuple[str, int]] = []   # (base, TP size)
+        self.layouts: list[Layout] = []
         self._timeout_s = timeout_s
         self._etcd: str | None = None
         self._rpc: RpcClient | None = None
@@ -87,12 +134,13 @@ class StoreView:
             return 0
         hexes = [h.hex() for h in self.hashes.of(token_ids, usable)]
         try:
-            best = max((self._held(base, size, hexes) for base, size in self.layouts),
-                       default=0)
-            if best == 0 and time.monotonic() >= self._next_discovery:
+            best = max((self._held(layout, hexes) for layout in self.layouts), default=0)
+            # a vLLM layout's TP size is a lower bound: it is looked at again too
+            unsure = any(layout.kind == "vllm" for layout in self.layouts)
+            if (best == 0 or unsure) and time.monotonic() >= self._next_discovery:
                 self._next_discovery = time.monotonic() + self._rediscover_s
                 if self._discover(hexes[0]):
-                    best = max(self._held(base, size, hexes) for base, size in self.layouts)
+                    best = max(self._held(layout, hexes) for layout in self.layouts)
             return best
         except MooncakeError as exc:
             if time.monotonic() >= self._next_warning:
@@ -121,23 +169,33 @@ class StoreView:
         self._rpc = RpcClient(*_split(leader.address), self._timeout_s)
         return self._rpc
 
-    def _held(self, base: str, size: int, hexes: list[str]) -> int:
-        present = self._master().call("peek", keys=block_keys.all_ranks(base, hexes, size))
-        return block_keys.leading_blocks(present, size)
+    def _held(self, layout: Layout, hexes: list[str]) -> int:
+        present = self._master().call("peek", keys=layout.keys(hexes))
+        return block_keys.leading_blocks(present, layout.size)
 
     def _discover(self, first_hex: str) -> bool:
-        """Learn the layouts that hold the block ``first_hex``; whether any is new."""
-        new = False
-        for key in self._master().call("keys_with_suffix", suffix="/" + first_hex, limit=64):
-            parsed = block_keys.parse(key) if isinstance(key, str) else None
-            if parsed is None:
+        """Learn the layouts that hold the block ``first_hex`` (a vLLM layout's size
+        grows to the highest rank seen); whether any is new or grew."""
+        found: dict[Layout, Layout] = {}   # layout with size 0 -> with its size
+        for key in self._master().call("keys_with_suffix", suffix=first_hex, limit=256):
+            seen = Layout.of(key) if isinstance(key, str) else None
+            if seen is None:
                 continue
-            layout = (parsed[0], parsed[2])
-            if layout not in self.layouts:
-                log.info("store layout learned: %s/tp*of%d", *layout)
-                self.layouts.append(layout)
-                new = True
-        return new
+            layout = seen[0]
+            anon = Layout(layout.kind, layout.base, 0, layout.tail)
+            if anon not in found or found[anon].size < layout.size:
+                found[anon] = layout
+        changed = False
+        for layout in found.values():
+            if layout in self.layouts:
+                continue
+            self.layouts = [known for known in self.layouts if (known.kind, known.base,
+                            known.tail) != (layout.kind, layout.base, layout.tail)]
+            log.info("store layout learned: %s (%s keys, TP %d)", layout.base, layout.kind,
+                     layout.size)
+            self.layouts.append(layout)
+            changed = True
+        return changed
 
     def close(self) -> None:
         if self._rpc is not None:

@@ -44,3 +44,20 @@ def test_block_hashes_match_vllms(algorithm, seed, monkeypatch):
 def test_unsupported_algorithms_are_refused():
     with pytest.raises(ValueError, match="xxhash"):
         VllmBlockHashes(16, "xxhash")
+
+
+@pytest.mark.parametrize("cache_prefix", ["", "deployment-a"])
+def test_the_in_tree_store_connectors_keys_are_read_as_vllm_builds_them(cache_prefix):
+    """The store view parses the keys vLLM's MooncakeStoreConnector writes (built here by
+    its own PoolKey) and builds the same keys for every rank."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+        KeyMetadata, PoolKey)
+
+    from mooncake_plugins.conductor.router.store_view import Layout
+
+    block = "ab" * 32
+    keys = [PoolKey(KeyMetadata("/models/tiny", rank, 0, 0, 0, cache_prefix=cache_prefix),
+                    block).to_string() for rank in range(2)]
+    layout, rank = Layout.of(keys[1])
+    assert (layout.kind, layout.size, rank) == ("vllm", 2, 1)
+    assert layout.keys([block]) == keys
