@@ -288,7 +288,8 @@ class Router:
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 raise _Unreachable(inst, repr(exc)) from exc   # nothing relayed yet
             await out.prepare(request)
-            events, t_first = -1, 0.0   # server-sent events after the first, and when
+            # server-sent events that came after the first chunk, from t_first to t_last
+            events, t_first = 0, 0.0
             while chunk:
                 if first:
                     first = False
@@ -296,8 +297,9 @@ class Router:
                     self.metrics.ttft.labels(inst.url).observe(t_first - t0)
                     self.first_token(rid, started or inst)
                     self.first_byte(rid, started or inst)
-                events += chunk.count(b"data: {")
-                t_last = time.perf_counter()
+                else:
+                    events += chunk.count(b"data: {")
+                    t_last = time.perf_counter()
                 await out.write(chunk)
                 chunk = await resp.content.readany()
             if events > 0:   # a stream of tokens: its pace teaches the decode ratio
