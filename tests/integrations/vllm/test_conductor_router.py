@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import urllib.error
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -33,11 +35,11 @@ def _counter(metrics: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def _cluster(model: str, tmp_path, events: bool, store: str | None = None
-             ) -> Iterator[tuple[str, list[str], list]]:
+def _cluster(model: str, tmp_path, events: bool, store: str | None = None,
+             router_args: list[str] | None = None) -> Iterator[tuple[str, list[str], list]]:
     """(router URL, engine URLs, processes): two engines (publishing KV events when
     ``events``; with our store connector on the master at ``store``) and the router
-    (cache_aware; conductor, knowing the store, with one) up."""
+    (cache_aware; conductor, knowing the store, with one; else ``router_args``) up."""
     procs: list[subprocess.Popen] = []
     rpcs = [tempfile.mkdtemp(prefix="vllm-rpc-") for _ in range(2)]
     ports = [free_port() for _ in range(5)]
@@ -73,7 +75,7 @@ def _cluster(model: str, tmp_path, events: bool, store: str | None = None
                 [sys.executable, "-m", "mooncake_plugins.cli.conductor_serve", "serve",
                  *instances, "--block-tokens", str(BLOCK),
                  *(["--policy", "conductor", "--store", store] if store
-                   else ["--policy", "cache_aware"]),
+                   else router_args or ["--policy", "cache_aware"]),
                  "--decode-max-batch", "4", "--health-interval", "0.5",
                  "--port", str(ports[2])],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -200,3 +202,30 @@ def test_the_router_finds_a_prefix_an_engine_saved_in_the_store(tiny_llama, tmp_
                    for name in ("vllm:prefix_cache_hits_total",
                                 "vllm:external_prefix_cache_hits_total"))
         assert hits >= 6 * BLOCK, hits
+
+
+def test_an_overload_is_refused_before_it_reaches_an_engine(tiny_llama, tmp_path):
+    """A burst of twelve long prompts against a 0.5 s TTFT objective: the conductor
+    refuses some at once (429 with Retry-After), serves the others, and the refused
+    ones never reached an engine."""
+    args = ["--policy", "conductor", "--slo-ttft", "0.5", "--slo-tbt", "1"]
+    with _cluster(tiny_llama, tmp_path, events=False, router_args=args) as (router, urls, _):
+        def ask(i: int) -> tuple[int, str | None]:
+            try:
+                http(f"{router}/v1/completions", {
+                    "model": tiny_llama, "prompt": prompt_tokens(14 * BLOCK, 30 + i),
+                    "max_tokens": 4, "temperature": 0.0, "stream": True})
+                return 200, None
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.headers.get("Retry-After")
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(ask, range(12)))
+        codes = [code for code, _ in answers]
+        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, answers
+        assert all(int(after) >= 1 for code, after in answers if code == 429), answers
+        served = sum(_counter(http(f"{u}/metrics"), "vllm:request_success_total")
+                     for u in urls)
+        assert served == codes.count(200), (served, answers)
+        assert _counter(http(f"{router}/metrics"), "conductor_rejected_total") == \
+            codes.count(429)
