@@ -155,7 +155,7 @@ class Cluster:
 
     def start_router(self, name: str, slo: Slo, cost_file: Path) -> str:
         """The router with policy ``name`` (``conductor:raw``: without the measured TTFT
-        correction)."""
+        correction; ``conductor:q90``: also refusing by the 0.9 quantile of its errors)."""
         port = free_port()
         policy, _, variant = name.partition(":")
         cmd = [self.python, "-m", "mooncake_plugins.cli.conductor_serve", "serve",
@@ -164,7 +164,8 @@ class Cluster:
                "--policy", policy, "--slo-ttft", str(slo.ttft_s), "--slo-tbt", str(slo.tbt_s),
                "--cost-model", str(cost_file), "--block-tokens", str(BLOCK),
                "--decode-max-batch", "4", "--port", str(port), "--log-level", "WARNING",
-               *(["--no-ttft-correction"] if variant == "raw" else [])]
+               *(["--no-ttft-correction"] if variant == "raw" else []),
+               *(["--slo-quantile", f"0.{variant[1:]}"] if variant.startswith("q") else [])]
         with open(self.tmp / f"router-{policy}{variant}.log", "wb") as f:
             self.router = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                            start_new_session=True)
@@ -258,7 +259,8 @@ def main() -> None:
     ap.add_argument("--policies", default="round_robin,cache_aware,conductor:raw,conductor",
                     help="policies in turn; conductor:raw prices with the calibrated model "
                     "as it is, conductor also scales it per instance by the measured / "
-                    "predicted TTFT of what it served")
+                    "predicted TTFT of what it served, conductor:qNN also refuses by the "
+                    "0.NN quantile of its recent errors (--slo-quantile)")
     ap.add_argument("--pd", action="store_true", help="one prefill and one decode engine "
                     "(our P/D connector) instead of two ordinary engines")
     ap.add_argument("--model", help="model directory (default: a tiny random Llama)")

@@ -55,6 +55,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                        "by the measured / predicted TTFT of its streamed requests")
     serve.add_argument("--no-early-reject", action="store_true",
                        help="conductor: serve every request even when predicted late")
+    serve.add_argument("--slo-quantile", type=float, metavar="Q",
+                       help="conductor: also refuse where the estimate times the Q quantile "
+                       "of recent measured/estimated TTFT ratios breaks the TTFT SLO (e.g. "
+                       "0.9; default: the estimate alone)")
     serve.add_argument("--cost-model", help="JSON file of CostModel fields (a calibration)")
     serve.add_argument("--block-tokens", type=int, default=16,
                        help="tokens per KV block: the engines' --block-size")
@@ -172,11 +176,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"mooncake-conductor: {exc}")
     if not len(pool):
         logging.warning("no instance yet: add some with POST /instances")
-    router = Router(RouterConfig(policy, slo, cost, args.block_tokens, args.decode_max_batch,
-                                 args.retries, args.health_interval,
-                                 kv_events_timeout_s=args.kv_events_timeout, store=store,
-                                 correct_ttft=not args.no_ttft_correction),
-                    Hasher(args.block_tokens, tokenize), pool)
+    try:
+        router = Router(RouterConfig(policy, slo, cost, args.block_tokens,
+                                     args.decode_max_batch, args.retries, args.health_interval,
+                                     kv_events_timeout_s=args.kv_events_timeout, store=store,
+                                     correct_ttft=not args.no_ttft_correction,
+                                     slo_quantile=args.slo_quantile),
+                        Hasher(args.block_tokens, tokenize), pool)
+    except ValueError as exc:
+        sys.exit(f"mooncake-conductor: {exc}")
     web.run_app(router.app(), host=args.host, port=args.port, print=lambda *a: None)
 
 

@@ -288,6 +288,7 @@ def test_ttft_estimates_learn_an_instance_slower_than_the_model():
                 codes.append(resp.status)
                 await resp.read()
             (inst,) = await (await client.get("/instances")).json()
+            assert len(r._errors) == inst["ttft_samples"]   # measured / estimated, each
             return codes, inst, await (await client.get("/metrics")).text()
 
     codes, inst, page = run(main(True))
@@ -399,3 +400,29 @@ def test_pd_requests_take_a_decode_slot_only_from_their_first_token():
             return [a.status for a in answers]
 
     assert run(main()) == [200, 200, 200]
+
+
+def test_the_slo_quantile_refuses_where_recent_errors_would_make_a_request_late():
+    """--slo-quantile 0.9: recent requests took 1.5x their estimate, so one estimated at
+    0.8 s (within a 1 s SLO) is refused, one at 0.6 s is not; no bound before 16
+    samples, nor for a policy that does not refuse."""
+    from mooncake_plugins.conductor.policies import Decision
+    from mooncake_plugins.conductor.router.prompts import RoutedRequest
+
+    cost = CostModel(prefill_fixed_s=0.8, prefill_s_per_token=0.0, prefill_s_per_token_sq=0.0)
+    r = router("conductor", [("http://127.0.0.1:1", "both")], slo=Slo(1.0, 1.0), cost=cost,
+               slo_quantile=0.9)
+    req = RoutedRequest(100, [1, 2, 3], True, 8, None)
+    assert not r.decide(req)[0].rejected
+    r._errors.extend([1.5] * 15)
+    assert not r.decide(req)[0].rejected          # 15 samples: no bound yet
+    r._errors.append(1.5)
+    decision = r.decide(req)[0]
+    assert decision.rejected and "0.9 quantile 1.200 s" in decision.reject_reason
+    assert r.ttft_bound(Decision(0, 0, None, 0, 0.6, 0.01)) is None
+    rr = router("round_robin", [("http://127.0.0.1:1", "both")], slo=Slo(1.0, 1.0),
+                cost=cost, slo_quantile=0.9)
+    rr._errors.extend([1.5] * 16)
+    assert not rr.decide(req)[0].rejected
+    with pytest.raises(ValueError):
+        router("conductor", [], slo_quantile=1.5)

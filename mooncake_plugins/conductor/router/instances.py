@@ -36,6 +36,7 @@ class _Flight:
     first_token: bool = False
     output_tokens: int = DEFAULT_OUTPUT_TOKENS   # its max_tokens, where the client set one
     model_ttft_s: float = 0.0   # the cost model's TTFT estimate, before correction
+    expected_ttft_s: float = 0.0   # the estimate the request was admitted on
     timed: bool = False         # streamed: its first answer byte is its first token, and
                                 # teaches the TTFT ratio
 

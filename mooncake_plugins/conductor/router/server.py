@@ -21,12 +21,15 @@ add or undrain), ``POST /instances/drain`` and ``DELETE /instances`` (``{"url"}`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
 import math
+import statistics
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
@@ -34,7 +37,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                Histogram, generate_latest)
 
 from ..costmodel import CostModel
-from ..policies import POOL, Decision, Policy, Slo
+from ..policies import POOL, ConductorPolicy, Decision, Policy, Slo
 from .instances import DEFAULT_OUTPUT_TOKENS, Instance, Pool, _Flight
 from .kv_events import KvEventIndex, subscribe
 from .prompts import BadRequest, Hasher, RoutedRequest
@@ -70,6 +73,18 @@ class RouterConfig:
     correct_ttft: bool = True
     """Scale each instance's TTFT and decode estimates by the ratios measured there
     (from streamed requests, whose first answer byte is their first token)."""
+    slo_quantile: float | None = None
+    """``conductor`` with early rejection: also refuse a request whose estimate, times
+    this quantile of the recent measured / estimated TTFT ratios, breaks the TTFT SLO
+    (0.9: the requests served meet it about 9 times in 10 while estimates err as they
+    did lately). None: refuse on the estimate alone."""
+
+
+ERROR_WINDOW = 64
+"""Recent streamed requests whose measured / estimated TTFT ratio the SLO quantile is
+taken over."""
+ERROR_MIN_SAMPLES = 16
+"""Fewer ratios than this: no quantile bound yet."""
 
 
 class _Metrics:
@@ -111,6 +126,9 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._events: dict[str, tuple[KvEventIndex, asyncio.Task]] = {}
         self._last_routed: dict[str, float] = {}
+        self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)   # measured / estimated
+        if config.slo_quantile is not None and not 0 < config.slo_quantile < 1:
+            raise ValueError(f"the SLO quantile must be in (0, 1), got {config.slo_quantile}")
 
     # -- decisions -----------------------------------------------------------------------
     def decide(self, req: RoutedRequest, pool_blocks: int = 0) -> tuple[Decision, LiveView]:
@@ -121,7 +139,26 @@ class Router:
         if not view.prefill or not view.decode:
             raise web.HTTPServiceUnavailable(text=json.dumps({"error": "no usable instance"}),
                                              content_type="application/json")
-        return self.config.policy.choose(req, view), view
+        decision = self.config.policy.choose(req, view)
+        bound = self.ttft_bound(decision)
+        if bound is not None and not decision.rejected:
+            decision = dataclasses.replace(decision, reject_reason=(
+                f"predicted TTFT {decision.predicted_ttft_s:.3f} s, "
+                f"{self.config.slo_quantile:g} quantile {bound:.3f} s > SLO "
+                f"{self.config.slo.ttft_s:.3f} s"))
+        return decision, view
+
+    def ttft_bound(self, decision: Decision) -> float | None:
+        """``decision``'s TTFT times the SLO quantile of the recent errors, where that
+        breaks the SLO and such a bound applies (``conductor`` rejecting early, enough
+        samples); else None."""
+        policy, q = self.config.policy, self.config.slo_quantile
+        if q is None or not (isinstance(policy, ConductorPolicy) and policy.early_reject) \
+                or len(self._errors) < ERROR_MIN_SAMPLES:
+            return None
+        bound = decision.predicted_ttft_s * statistics.quantiles(
+            self._errors, n=100, method="inclusive")[min(98, max(0, round(q * 100) - 1))]
+        return bound if bound > self.config.slo.ttft_s else None
 
     def admit(self, rid: int, req: RoutedRequest, decision: Decision, view: LiveView
               ) -> tuple[Instance, Instance]:
@@ -138,7 +175,9 @@ class Router:
         prefill.flights[rid] = _Flight(now, self.config.cost.prefill_s(req.input_length, cached),
                                        req.input_length, tuple(req.hash_ids),
                                        output_tokens=req.max_tokens or DEFAULT_OUTPUT_TOKENS,
-                                       model_ttft_s=model_s, timed=req.stream)
+                                       model_ttft_s=model_s,
+                                       expected_ttft_s=decision.predicted_ttft_s,
+                                       timed=req.stream)
         ready = now + decision.predicted_ttft_s
         prefill.learn(req.hash_ids, ready, self.pool.cache_blocks)
         self._last_routed[prefill.url] = now
@@ -173,8 +212,11 @@ class Router:
         ``inst``'s TTFT ratio (P/D: the decode's first token, transfer included)."""
         flight = inst.flights.get(rid)
         if flight is not None and flight.timed:
-            inst.ttft.add(flight.model_ttft_s, self.pool.now() - flight.started_s)
+            measured = self.pool.now() - flight.started_s
+            inst.ttft.add(flight.model_ttft_s, measured)
             self.metrics.ratio.labels(inst.url).set(inst.ttft.ratio)
+            if flight.expected_ttft_s > 0:
+                self._errors.append(measured / flight.expected_ttft_s)
 
     def model_step_s(self, inst: Instance) -> float:
         """The cost model's decode step on ``inst`` for the batch it decodes now."""
