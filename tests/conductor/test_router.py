@@ -426,3 +426,22 @@ def test_the_slo_quantile_refuses_where_recent_errors_would_make_a_request_late(
     assert not rr.decide(req)[0].rejected
     with pytest.raises(ValueError):
         router("conductor", [], slo_quantile=1.5)
+
+
+def test_the_decode_forecast_counts_who_decodes_at_that_time():
+    """A decoding request counts until its predicted last token; a P/D request on its
+    way counts from its predicted first token to its last; prefills here always."""
+    from mooncake_plugins.conductor.router.instances import Pool, _Flight
+    from mooncake_plugins.conductor.router.view import LiveView
+
+    pool = Pool()
+    inst = pool.add("http://127.0.0.1:1")
+    now = pool.now()
+    inst.decoding[1] = 100
+    inst.decode_ends[1] = now + 0.1
+    inst.joining[2] = (now + 0.2, now + 0.4, 200)
+    inst.flights[3] = _Flight(now, 0.05, 300)
+    view = LiveView(pool, 16, 8)
+    assert [(f.requests, f.context_tokens) for f in (
+        view.decode_forecast(0, now + t) for t in (0.05, 0.15, 0.3, 0.5))] == [
+        (2, 400.0), (1, 300.0), (2, 500.0), (1, 300.0)]
