@@ -30,7 +30,7 @@ from ..transfer import OpCode, TransferEngine, cuda, memory
 from ..transfer.topology import host_id
 from . import offload
 from .master import MAX_SLOT_NBYTES
-from .rpc import RpcClient
+from .rpc import RpcClient, split_address
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,6 @@ class _Failover:
 
     done: threading.Event = field(default_factory=threading.Event)
     error: MooncakeError | None = None
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidParams(f"master address must be host:port or etcd://..., got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 class DerivedForms:
@@ -322,7 +315,7 @@ class StoreClient(DerivedForms):
             self._ha = (master_address[len("etcd://"):], cluster_id)
             leader = find_leader(*self._ha) or wait_for_leader(*self._ha, timeout_s=rpc_timeout_s)
             master_address, self._term = leader.address, leader.term
-        self._rpc = RpcClient(*_split(master_address), timeout_s=rpc_timeout_s)
+        self._rpc = RpcClient(*split_address(master_address), timeout_s=rpc_timeout_s)
         self._rpc_lock = threading.Lock()
         self._failover_run: _Failover | None = None   # guarded by _rpc_lock
         # reserved slots per (nbytes, replica_num): [(slot id, replicas, usable until)]
@@ -434,7 +427,7 @@ class StoreClient(DerivedForms):
                 if found is None or found.term != exclude_term:
                     continue
                 leader = found
-            rpc = RpcClient(*_split(leader.address), timeout_s=self._rpc_timeout_s)
+            rpc = RpcClient(*split_address(leader.address), timeout_s=self._rpc_timeout_s)
             try:
                 return rpc, leader.term, self._register(rpc)
             except (RpcFailed, RpcTimeout, NotSupported) as exc:

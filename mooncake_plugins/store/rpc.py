@@ -21,7 +21,8 @@ from typing import Any, Callable
 import msgpack
 
 from ..config import spin_us
-from ..errors import MooncakeError, ProtocolError, RpcFailed, RpcTimeout, store_error
+from ..errors import (InvalidParams, MooncakeError, ProtocolError, RpcFailed, RpcTimeout,
+                      store_error)
 from ..transfer.listener import (DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ConnectionServer,
                                  idle_waiter, set_deadline)
 from ..transfer.protocol import unpack_bounded
@@ -226,6 +227,18 @@ class RpcServer(ConnectionServer):
         finally:
             with self._clients_lock:
                 self._client_of.pop(id(conn), None)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a master's ``host:port`` (an IPv6 host in brackets or not).
+
+    Raises:
+        InvalidParams: not ``host:port`` with a port in 1..65535.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidParams(f"master address must be host:port or etcd://..., got {address!r}")
+    return host.strip("[]"), int(port)
 
 
 class RpcClient:

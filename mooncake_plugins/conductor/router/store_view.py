@@ -36,7 +36,7 @@ from typing import Sequence
 from ...errors import MooncakeError, RpcFailed
 from ...store import block_keys
 from ...store.ha import find_leader, parse_etcd_endpoints
-from ...store.rpc import RpcClient
+from ...store.rpc import RpcClient, split_address
 from .vllm_hashes import VllmBlockHashes
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,11 @@ class Layout:
     base: str
     size: int
     tail: str = ""
+
+    @property
+    def family(self) -> tuple[str, str, str]:
+        """The layout but for its TP size."""
+        return self.kind, self.base, self.tail
 
     def keys(self, hexes: Sequence[str]) -> list[str]:
         """Every rank's key of each block, block-major."""
@@ -79,13 +84,6 @@ class Layout:
 
 LEADER_LOOKUP_S = 1.0
 """Least time between two reads of an HA group's leader from etcd."""
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"store master {address!r} must be HOST:PORT or etcd://HOST:PORT")
-    return host, int(port)
 
 
 class StoreView:
@@ -114,7 +112,7 @@ class StoreView:
             parse_etcd_endpoints(self._etcd)   # ValueError (InvalidArgument) on bad input
             self._cluster_id = cluster_id
         else:
-            self._rpc = RpcClient(*_split(master), timeout_s)
+            self._rpc = RpcClient(*split_address(master), timeout_s)
         self._next_lookup = 0.0
         self._rediscover_s = rediscover_s
         self._next_discovery = 0.0
@@ -166,7 +164,7 @@ class StoreView:
                             f"etcd://{self._etcd}")
         log.info("store master: the leader of %r is %s (term %d)", self._cluster_id,
                  leader.address, leader.term)
-        self._rpc = RpcClient(*_split(leader.address), self._timeout_s)
+        self._rpc = RpcClient(*split_address(leader.address), self._timeout_s)
         return self._rpc
 
     def _held(self, layout: Layout, hexes: list[str]) -> int:
@@ -176,21 +174,17 @@ class StoreView:
     def _discover(self, first_hex: str) -> bool:
         """Learn the layouts that hold the block ``first_hex`` (a vLLM layout's size
         grows to the highest rank seen); whether any is new or grew."""
-        found: dict[Layout, Layout] = {}   # layout with size 0 -> with its size
+        found: dict[tuple[str, str, str], Layout] = {}   # the largest seen per family
         for key in self._master().call("keys_with_suffix", suffix=first_hex, limit=256):
             seen = Layout.of(key) if isinstance(key, str) else None
-            if seen is None:
-                continue
-            layout = seen[0]
-            anon = Layout(layout.kind, layout.base, 0, layout.tail)
-            if anon not in found or found[anon].size < layout.size:
-                found[anon] = layout
+            if seen is not None and (seen[0].family not in found
+                                     or found[seen[0].family].size < seen[0].size):
+                found[seen[0].family] = seen[0]
         changed = False
         for layout in found.values():
             if layout in self.layouts:
                 continue
-            self.layouts = [known for known in self.layouts if (known.kind, known.base,
-                            known.tail) != (layout.kind, layout.base, layout.tail)]
+            self.layouts = [known for known in self.layouts if known.family != layout.family]
             log.info("store layout learned: %s (%s keys, TP %d)", layout.base, layout.kind,
                      layout.size)
             self.layouts.append(layout)

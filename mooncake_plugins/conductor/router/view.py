@@ -34,6 +34,7 @@ class LiveView:
         self._max_batch = decode_max_batch
         self._now = pool.now()
         self._correct = correct
+        self._ratios = [i.ttft_ratio(self._now) if correct else 1.0 for i in self.prefill]
 
     @property
     def now_s(self) -> float:
@@ -61,7 +62,7 @@ class LiveView:
 
     def prefill_queue_s(self, instance: int) -> float:
         inst = self.prefill[instance]
-        queue = inst.queue_s(self._now, self._ratio(instance))
+        queue = inst.queue_s(self._now, self._ratios[instance])
         if self._colocated:   # a prefill also waits for a free slot
             step_s = self._step_s * (inst.tbt.ratio if self._correct else 1.0)
             queue = max(queue, inst.slot_wait_s(self._now, self._max_batch, step_s))
@@ -93,7 +94,4 @@ class LiveView:
         return DecodeForecast(requests, float(context))
 
     def expected_ttft_s(self, instance: int, model_ttft_s: float) -> float:
-        return model_ttft_s * self._ratio(instance)
-
-    def _ratio(self, instance: int) -> float:
-        return self.prefill[instance].ttft_ratio(self._now) if self._correct else 1.0
+        return model_ttft_s * self._ratios[instance]
