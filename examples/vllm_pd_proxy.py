@@ -2,16 +2,20 @@
 request to a prefill engine, then to a decode engine with the prefill's KV handle.
 
 As an HTTP proxy in front of two ``vllm serve`` instances (OpenAI completions and chat
-completions)::
+completions, streamed or not)::
 
     python examples/vllm_pd_proxy.py --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200 --port 8000
+
+It is the Conductor's router with one instance of each role, round robin:
+``mooncake-conductor serve --instance URL@prefill --instance URL@decode`` is the same
+with more instances, KV-cache-aware policies and early rejection.
 
 Offline, :func:`disaggregated_generate` routes one prompt through two generate
 functions, e.g. :func:`llm_generate` around ``vllm.LLM`` objects (vLLM carries a
 request's ``kv_transfer_params`` in ``SamplingParams.extra_args``).
 
-Only the connector's own keys go from the prefill's answer to the decode, so the
+Only the connectors' own keys go from the prefill's answer to the decode, so the
 decode reports its own cache hits (the prompt it received), not the prefill's.
 """
 
@@ -22,12 +26,11 @@ import logging
 import uuid
 from typing import Any, Callable
 
-log = logging.getLogger("vllm_pd_proxy")
+from mooncake_plugins.conductor.router import pd_handoff
+from mooncake_plugins.conductor.router.pd_handoff import PD_KEYS
 
-PD_KEYS = ("do_remote_prefill", "do_remote_decode", "transfer_id", "remote_engine_id",
-           "remote_host", "remote_port", "remote_ports", "remote_tp_size",
-           "remote_block_size", "prompt_digest")
-"""The kv_transfer_params keys the P/D connector hands from prefill to decode."""
+__all__ = ["PD_KEYS", "decode_params", "disaggregated_generate", "llm_generate", "make_app",
+           "prefill_params", "prefill_request"]
 
 Generate = Callable[[list[int], dict[str, Any], "dict[str, Any] | None"], dict[str, Any]]
 """``(prompt token ids, sampling kwargs, kv_transfer_params) -> {"tokens", "logprobs",
@@ -39,12 +42,10 @@ def prefill_params(transfer_id: str | None = None) -> dict[str, Any]:
     return {"do_remote_decode": True, "transfer_id": transfer_id or uuid.uuid4().hex}
 
 
-def decode_params(prefill_answer: dict[str, Any] | None) -> dict[str, Any] | None:
-    """kv_transfer_params of the decode request, from the prefill's answer (None: the
-    prefill kept nothing, the decode computes the prompt itself)."""
-    if not prefill_answer or not prefill_answer.get("do_remote_prefill"):
-        return None
-    return {k: prefill_answer[k] for k in PD_KEYS if k in prefill_answer}
+def decode_params(prefill_params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """kv_transfer_params of the decode request, from those the prefill returned (None:
+    the prefill kept nothing, the decode computes the prompt itself)."""
+    return pd_handoff.decode_params({"kv_transfer_params": prefill_params})
 
 
 def prefill_request(prefill: Generate, prompt: list[int], sampling: dict[str, Any],
@@ -83,54 +84,20 @@ def llm_generate(llm: Any) -> Generate:
 
 # -- HTTP proxy ----------------------------------------------------------------------------
 def make_app(prefill_url: str, decode_url: str) -> Any:
-    """An aiohttp application routing ``/v1/completions`` and ``/v1/chat/completions``."""
-    import aiohttp
-    from aiohttp import web
+    """The router over ``prefill_url`` (prefill) and ``decode_url`` (decode): an aiohttp
+    application serving ``/v1/completions`` and ``/v1/chat/completions``."""
+    from mooncake_plugins.conductor.costmodel import CostModel
+    from mooncake_plugins.conductor.policies import Slo, make_policy
+    from mooncake_plugins.conductor.router.instances import Pool
+    from mooncake_plugins.conductor.router.prompts import Hasher
+    from mooncake_plugins.conductor.router.server import Router, RouterConfig
 
-    session_key = web.AppKey("session", aiohttp.ClientSession)
-
-    async def on_startup(app: web.Application) -> None:
-        app[session_key] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-
-    async def on_cleanup(app: web.Application) -> None:
-        await app[session_key].close()
-
-    async def route(request: web.Request) -> web.StreamResponse:
-        session = request.app[session_key]
-        try:
-            body = await request.json()
-        except ValueError:
-            return web.json_response({"error": "the body must be JSON"}, status=400)
-        if not isinstance(body, dict):
-            return web.json_response({"error": "the body must be a JSON object"}, status=400)
-        first = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        first.update(max_tokens=1, kv_transfer_params=prefill_params())
-        if "max_completion_tokens" in first:
-            first["max_completion_tokens"] = 1
-        async with session.post(prefill_url + request.path, json=first) as resp:
-            if resp.status != 200:
-                return web.Response(status=resp.status, body=await resp.read(),
-                                    content_type=resp.content_type)
-            answer = await resp.json()
-        params = decode_params(answer.get("kv_transfer_params"))
-        if params is None:
-            log.warning("the prefill kept no KV for this request; the decode computes it")
-        second = dict(body, kv_transfer_params=params)
-        async with session.post(decode_url + request.path, json=second) as resp:
-            out = web.StreamResponse(status=resp.status,
-                                     headers={"Content-Type": resp.content_type})
-            await out.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
-            return out
-
-    app = web.Application()
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    app.router.add_post("/v1/completions", route)
-    app.router.add_post("/v1/chat/completions", route)
-    return app
+    pool = Pool()
+    pool.add(prefill_url, "prefill")
+    pool.add(decode_url, "decode")
+    cost, slo = CostModel(), Slo()
+    return Router(RouterConfig(make_policy("round_robin", cost, slo), slo, cost),
+                  Hasher(16), pool).app()
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """``mooncake-conductor serve``: the Conductor as a router in front of vLLM instances;
-``mooncake-conductor calibrate``: its cost model fitted to one running engine.
+``mooncake-conductor calibrate``: its cost model fitted to running engines (prefill,
+decode step, and a P/D pair's KV handoff).
 
     mooncake-conductor serve --instance http://127.0.0.1:8100 --instance http://127.0.0.1:8200 \\
         --policy conductor --slo-ttft 2 --slo-tbt 0.1 --port 8000
@@ -88,15 +89,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--log-level", default="INFO")
     cal = sub.add_parser("calibrate", help="fit the cost model to a running engine and write "
                          "it as JSON (for serve --cost-model)")
-    cal.add_argument("--instance", required=True, action="append",
-                     help="URL of a vLLM OpenAI server; several are measured side by side")
+    cal.add_argument("--instance", required=True, action="append", type=_instance,
+                     metavar="URL[@ROLE]", help="a vLLM OpenAI server; several are measured "
+                     "side by side; with a prefill and a decode instance the KV transfer "
+                     "of their P/D handoff is measured too (the first of each)")
     cal.add_argument("--model", required=True, help="the model name it serves")
     cal.add_argument("--lengths", default="16,128,256,512,1024,1536",
                      help="prompt lengths to time, comma separated (3 distinct at least)")
     cal.add_argument("--repeats", type=int, default=3)
     cal.add_argument("--decode-tokens", type=int, default=32)
     cal.add_argument("--kv-bytes-per-token", type=int, help="the model's KV bytes per token")
-    cal.add_argument("--transfer-gbps", type=float, help="KV transfer rate, GB/s")
+    cal.add_argument("--transfer-gbps", type=float, help="KV transfer rate, GB/s, where no "
+                     "P/D pair is measured")
     cal.add_argument("--out", required=True, help="JSON file to write")
     cal.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
@@ -115,9 +119,23 @@ def _calibrate(args: argparse.Namespace) -> None:
             base = dataclasses.replace(base, kv_bytes_per_token=args.kv_bytes_per_token)
         if args.transfer_gbps:
             base = dataclasses.replace(base, transfer_bytes_per_s=args.transfer_gbps * 1e9)
-        model, _ = calibrate.run(args.instance, args.model, lengths=lengths,
+        for url, _, events in args.instance:
+            if events:
+                raise ValueError(f"--instance {url}: calibrate reads no KV events")
+        prefills = [url for url, role, _ in args.instance if role != "decode"]
+        decodes = [url for url, role, _ in args.instance if role == "decode"]
+        if not prefills:
+            raise ValueError("no instance to prefill on: give one that is not @decode")
+        pair = None
+        if decodes:
+            pair = next(((url, decodes[0]) for url, role, _ in args.instance
+                         if role == "prefill"), None)
+            if pair is None:
+                raise ValueError("a decode instance needs a prefill instance to pair with")
+        model, _ = calibrate.run(prefills, args.model, lengths=lengths,
                                  repeats=args.repeats, decode_tokens=args.decode_tokens,
-                                 base=base, progress=lambda line: print(line, flush=True))
+                                 base=base, progress=lambda line: print(line, flush=True),
+                                 pd_pair=pair)
     except (OSError, ValueError, RuntimeError) as exc:
         sys.exit(f"mooncake-conductor calibrate: {exc}")
     with open(args.out, "w") as f:
@@ -125,7 +143,11 @@ def _calibrate(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}: prefill {model.prefill_fixed_s * 1e3:.1f} ms + "
           f"{model.prefill_s_per_token * 1e6:.2f} us/token + "
           f"{model.prefill_s_per_token_sq * 1e9:.3f} ns/token^2; decode step "
-          f"{model.decode_fixed_s * 1e3:.2f} ms", flush=True)
+          f"{model.decode_fixed_s * 1e3:.2f} ms"
+          + ("" if model.kv_streamed_during_prefill else
+             f"; P/D handoff {model.transfer_latency_s * 1e3:.1f} ms + "
+             f"{model.kv_bytes_per_token / model.transfer_bytes_per_s * 1e6:.2f} us/token"),
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,13 @@ measured here:
   token in the batch's context (3.4e-8 s per token). Each request in the batch also adds
   its 1.4e-4 s of compute; this part is added rather than overlapped, which is pessimistic.
 - KV transfer: 87 GB/s, what the Mooncake README reports for the Transfer Engine on
-  4 x 200 Gbps RoCE, plus 1 ms of setup per transfer (our guess).
+  4 x 200 Gbps RoCE, plus 1 ms of setup per transfer (our guess). A P/D request's KV
+  streams to its decode instance layer by layer while the prefill computes, as in
+  Mooncake, so its first token comes at the prefill's end. Behind vLLM's P/D protocol
+  (the prefill answers, then the decode request carries its handle and pulls the KV) it
+  follows the prefill instead, and the client's first token comes from the decode a
+  transfer later: ``kv_streamed_during_prefill=False``, what ``mooncake-conductor
+  calibrate`` measures and sets for a prefill/decode pair.
 
 The fixed costs (20 ms per prefill, 1 ms per transfer) are guesses for scheduling and
 launch overhead. Every figure is a field of :class:`CostModel`, so a calibrated model can
@@ -46,6 +52,9 @@ class CostModel:
         kv_bytes_per_token: size of one token's KV cache across all layers.
         transfer_bytes_per_s: bandwidth of a KV transfer between instances or from the pool.
         transfer_latency_s: setup cost of one KV transfer.
+        kv_streamed_during_prefill: a P/D request's KV moves while its prefill computes
+            (first token at the prefill's end), not after it (first token a transfer
+            later, from the decode).
     """
 
     prefill_fixed_s: float = 0.020
@@ -57,6 +66,7 @@ class CostModel:
     kv_bytes_per_token: int = 327_680
     transfer_bytes_per_s: float = 87e9
     transfer_latency_s: float = 0.001
+    kv_streamed_during_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -118,3 +128,8 @@ class CostModel:
         if tokens <= 0:
             return 0.0
         return self.transfer_latency_s + self.kv_nbytes(tokens) / self.transfer_bytes_per_s
+
+    def handoff_s(self, tokens: int) -> float:
+        """Time from a P/D request's prefill end to its first token, ``tokens`` of KV
+        moved to the decode: the whole transfer when it follows the prefill, else 0."""
+        return 0.0 if self.kv_streamed_during_prefill else self.kv_transfer_s(tokens)

@@ -220,7 +220,12 @@ class Policy(ABC):
         now = view.now_s
         start = max(now + view.prefill_queue_s(instance), hit.ready_s)
         cached = min(hit.blocks * view.block_tokens, request.input_length)
-        return start + self.cost.prefill_s(request.input_length, cached) - now
+        return (start + self.cost.prefill_s(request.input_length, cached) - now
+                + self._handoff_s(request, view))
+
+    def _handoff_s(self, request: PrefixRequest, view: ClusterView) -> float:
+        """From the prefill's end to the first token (see :meth:`CostModel.handoff_s`)."""
+        return 0.0 if view.colocated else self.cost.handoff_s(request.input_length)
 
     def _pull_ttft_s(self, request: PrefixRequest, view: ClusterView, instance: int,
                      local: PrefixHit, source: PrefixHit) -> float:
@@ -235,7 +240,8 @@ class Policy(ABC):
         cached = min(source.blocks * block_tokens, length)
         pulled_s = max(now, source.ready_s) + self.cost.kv_transfer_s(cached - have)
         start = max(now + view.prefill_queue_s(instance), local.ready_s, pulled_s)
-        return start + self.cost.prefill_s(request.input_length, cached) - now
+        return (start + self.cost.prefill_s(request.input_length, cached) - now
+                + self._handoff_s(request, view))
 
     def _with_pool(self, request: PrefixRequest, view: ClusterView, instance: int) -> Decision:
         """Prefill on ``instance``, reading the pool when it holds a longer prefix."""
@@ -258,8 +264,9 @@ class Policy(ABC):
         """Decode instance with the lightest forecast batch (``prefill`` itself where
         instances are colocated), and the request's TBT there.
 
-        The KV streams to decode during prefill, so the forecast is taken at the first
-        token. When no slot is forecast to be free, the request would wait for one and
+        The request joins its decode batch at its first token (when the KV streams
+        during prefill, the prefill's end; else a transfer later), where the forecast
+        is taken. When no slot is forecast to be free, the request would wait for one and
         its TBT is unbounded (``inf``).
         """
         best, best_key = -1, (0, 0.0)

@@ -16,7 +16,9 @@ Model (one replay, single-threaded, deterministic for a given policy seed):
   source has computed the blocks, and overlaps the wait in the destination's queue.
 - The prompt's KV streams to the chosen decode instance layer by layer while prefill
   runs, as in Mooncake, so it lands at ``max(prefill end, prefill start + transfer)``.
-  Prefill emits the first token. Decode runs continuous batching with at most
+  Prefill emits the first token. With ``CostModel.kv_streamed_during_prefill`` False
+  (vLLM's P/D protocol) the transfer starts at the prefill's end, and the first token
+  comes from the decode when it lands. Decode runs continuous batching with at most
   ``decode_max_batch`` requests; extra requests wait for a slot. Step time
   (:meth:`CostModel.decode_step_s`) is recomputed whenever the batch changes and held
   constant in between.
@@ -32,7 +34,7 @@ Model (one replay, single-threaded, deterministic for a given policy seed):
   earlier on an instance fix its timeline up to a new request's start (FIFO, and later
   prefills start later), so that start is found when the request is scheduled, by
   running the instance's batch forward.
-- Metrics: TTFT = end of prefill - arrival. TBT = (finish - first token) / (output - 1),
+- Metrics: TTFT = first token - arrival. TBT = (finish - first token) / (output - 1),
   the mean gap after the first token (vLLM's TPOT), so a late KV transfer and waiting
   for a decode slot count against it. A request meets the SLO when it is served and both
   hold; rejected requests count as misses. Hit rate = reused prompt blocks / prompt
@@ -480,17 +482,22 @@ class _Replay:
         cache.insert(ids, end_s)
         if self.pool is not None:
             self.pool.insert(ids, end_s)
-        self.ttft[index] = end_s - now
-        self.first_token[index] = end_s
+        if cluster.colocated:
+            first_s = joins_s = end_s
+        elif cost.kv_streamed_during_prefill:
+            first_s, joins_s = end_s, max(end_s, start_s + cost.kv_transfer_s(length))
+        else:
+            first_s = joins_s = end_s + cost.kv_transfer_s(length)
+        self.ttft[index] = first_s - now
+        self.first_token[index] = first_s
         if request.output_length <= 1:
-            self.finish[index] = end_s
+            self.finish[index] = first_s
             self.decisions.append((instance, -1, local, reused, source, None))
             return
         self.decisions.append((instance, decode, local, reused, source, None))
         d = self.decodes[decode]
         d.incoming += 1
         d.pending_input += length
-        joins_s = end_s if cluster.colocated else max(end_s, start_s + cost.kv_transfer_s(length))
         self._push(joins_s, _JOIN, decode, index)
 
     def _source(self, source: int | str, instance: int) -> LruBlockCache:

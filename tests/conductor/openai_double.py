@@ -2,8 +2,11 @@
 bodies it receives and answers completions (JSON or a stream of server-sent events) after
 ``delay_s`` (plus ``per_token_s`` per prompt token, and ``step_s`` between streamed
 tokens, for calibration); it can die in the middle of a streamed answer (``die_mid_stream``) and, as a
-P/D prefill side, answers with a kv_transfer_params handle. Real vLLM engines behind the
-router are tested in tests/integrations/vllm/test_conductor_router.py."""
+P/D prefill side, answers with a kv_transfer_params handle. As a decode side given a
+handle it "loads" the prompt in ``transfer_per_token_s`` a token instead of computing
+it, and counts the loaded tokens in ``/metrics`` as vLLM does (unless ``loads`` is
+False: it recomputes). Real vLLM engines behind the router are tested in
+tests/integrations/vllm/test_conductor_router.py."""
 
 from __future__ import annotations
 
@@ -21,18 +24,26 @@ HANDLE = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "
 class OpenAIDouble:
     def __init__(self, name: str, delay_s: float = 0.0, chunks: int = 3,
                  die_mid_stream: bool = False, prefill: bool = False,
-                 per_token_s: float = 0.0, step_s: float = 0.0) -> None:
+                 per_token_s: float = 0.0, step_s: float = 0.0,
+                 transfer_per_token_s: float = 0.0, loads: bool = True) -> None:
         self.name, self.delay_s, self.chunks = name, delay_s, chunks
         self.die_mid_stream, self.prefill = die_mid_stream, prefill
         self.per_token_s, self.step_s = per_token_s, step_s   # a modelled engine's speed
+        self.transfer_per_token_s, self.loads = transfer_per_token_s, loads
+        self.loaded_tokens = 0
         self.seen: list[dict[str, Any]] = []
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(body)
         prompt = body.get("prompt")
-        await asyncio.sleep(self.delay_s + self.per_token_s * (
-            len(prompt) if isinstance(prompt, list) else 0))
+        tokens = len(prompt) if isinstance(prompt, list) else 0
+        handle = body.get("kv_transfer_params") or {}
+        if handle.get("do_remote_prefill") and self.loads:
+            self.loaded_tokens += tokens
+            await asyncio.sleep(self.delay_s + self.transfer_per_token_s * tokens)
+        else:
+            await asyncio.sleep(self.delay_s + self.per_token_s * tokens)
         if not body.get("stream"):
             answer: dict[str, Any] = {"id": self.name, "choices": [{"text": self.name}]}
             if self.prefill:
@@ -57,10 +68,15 @@ class OpenAIDouble:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "double"}]})
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=f'vllm:external_prefix_cache_hits_total{{engine="0"}} '
+                                 f'{float(self.loaded_tokens)}\n')
+
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
         return app

@@ -1,18 +1,51 @@
-"""``mooncake-conductor calibrate``: the least-squares fit, and a calibration against a
-stand-in engine whose prefill and decode times are set (``openai_double.py``)."""
+"""``mooncake-conductor calibrate``: the least-squares fits, and calibrations against
+stand-in engines whose prefill, decode and KV-load times are set (``openai_double.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import threading
+from typing import Iterator
 
 import pytest
 
 from mooncake_plugins.conductor.costmodel import CostModel
-from mooncake_plugins.conductor.router.calibrate import fit_quadratic
+from mooncake_plugins.conductor.router.calibrate import fit_line, fit_quadratic
+
+
+@contextlib.contextmanager
+def _serving(*engines) -> Iterator[list[str]]:
+    """The doubles' URLs, served from a loop in a thread while in the block."""
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    runners, urls = [], []
+    for engine in engines:
+        runner = web.AppRunner(engine.app())
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield urls
+    finally:
+        for runner in runners:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def _calibrate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
+                           "calibrate", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_fit_recovers_a_quadratic():
@@ -24,27 +57,23 @@ def test_fit_recovers_a_quadratic():
         fit_quadratic([5, 5, 5], [1, 1, 1])
 
 
+def test_fit_recovers_a_line():
+    assert fit_line([16, 512, 1024], [0.02 + 1e-5 * x for x in (16, 512, 1024)]) == \
+        pytest.approx((0.02, 1e-5))
+    with pytest.raises(ValueError):
+        fit_line([7, 7], [1, 2])
+
+
 def test_calibrating_a_modelled_engine_finds_its_speeds(tmp_path):
     pytest.importorskip("aiohttp")
-    from aiohttp import web
     from openai_double import OpenAIDouble
 
     engine = OpenAIDouble("e", delay_s=0.02, per_token_s=40e-6, step_s=0.01)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(engine.app())
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
+    with _serving(engine) as (url,):
         out = tmp_path / "cost.json"
-        proc = subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
-                               "calibrate", "--instance", f"http://127.0.0.1:{port}",
-                               "--model", "m", "--lengths", "16,512,1024,2048", "--repeats",
-                               "2", "--decode-tokens", "12", "--kv-bytes-per-token", "4096",
-                               "--out", str(out)], capture_output=True, text=True, timeout=120)
+        proc = _calibrate("--instance", url, "--model", "m", "--lengths", "16,512,1024,2048",
+                          "--repeats", "2", "--decode-tokens", "12", "--kv-bytes-per-token",
+                          "4096", "--out", str(out))
         assert proc.returncode == 0, proc.stderr
         assert "prefill   2048 tokens" in proc.stdout and "wrote" in proc.stdout
         cost = CostModel(**json.loads(out.read_text()))
@@ -53,17 +82,61 @@ def test_calibrating_a_modelled_engine_finds_its_speeds(tmp_path):
         assert cost.prefill_s_per_token == pytest.approx(40e-6, rel=0.25)
         assert cost.decode_fixed_s == pytest.approx(0.01, rel=0.5)
         assert cost.kv_bytes_per_token == 4096
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
-        bad = subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
-                              "calibrate", "--instance", "http://127.0.0.1:9", "--model", "m",
-                              "--out", str(tmp_path / "x.json")], capture_output=True,
-                             text=True, timeout=60)
-        assert bad.returncode != 0 and "calibrate:" in bad.stderr
-        assert len(bad.stderr.strip().splitlines()) == 1
+        # no P/D pair: the transfer is the given one, streamed during prefill
+        assert cost.kv_streamed_during_prefill and cost.transfer_bytes_per_s == 87e9
+    bad = _calibrate("--instance", "http://127.0.0.1:9", "--model", "m",
+                     "--out", str(tmp_path / "x.json"))
+    assert bad.returncode != 0 and "calibrate:" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_pd_pair_is_calibrated_for_its_kv_handoff(tmp_path):
+    """The decode leg of a P/D request loads the prompt at 20 us a token after 20 ms:
+    the fitted transfer is that, taken after the prefill (vLLM's handoff)."""
+    pytest.importorskip("aiohttp")
+    from openai_double import OpenAIDouble
+
+    prefill = OpenAIDouble("p", delay_s=0.01, per_token_s=40e-6, step_s=0.005, prefill=True)
+    decode = OpenAIDouble("d", delay_s=0.02, per_token_s=1e-3, step_s=0.005,
+                          transfer_per_token_s=20e-6)
+    out = tmp_path / "cost.json"
+    with _serving(prefill, decode) as (p, d):
+        proc = _calibrate("--instance", f"{p}@prefill", "--instance", f"{d}@decode",
+                          "--model", "m", "--lengths", "16,512,1024,2048", "--repeats", "2",
+                          "--decode-tokens", "8", "--kv-bytes-per-token", "1000",
+                          "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "P/D handoff   2048 tokens" in proc.stdout and "P/D handoff" in \
+        proc.stdout.splitlines()[-1]
+    cost = CostModel(**json.loads(out.read_text()))
+    assert not cost.kv_streamed_during_prefill
+    assert cost.transfer_latency_s == pytest.approx(0.02, abs=0.01)
+    assert 1000 / cost.transfer_bytes_per_s == pytest.approx(20e-6, rel=0.25)
+    # the prefill was measured on the prefill instance only (the decode computes at
+    # 1 ms a token: a fit that took it in would be far off)
+    assert cost.prefill_s_per_token == pytest.approx(40e-6, rel=0.25)
+    legs = [b for b in decode.seen if b.get("kv_transfer_params")]
+    assert len(legs) == 9 and all(b["kv_transfer_params"]["transfer_id"] == "t1" for b in legs)
+    assert decode.loaded_tokens == 16 + 2 * (16 + 512 + 1024 + 2048)
+
+
+@pytest.mark.parametrize("fault", ["recomputes", "no producer", "no prefill"])
+def test_a_handoff_that_moves_no_kv_fails_the_calibration(tmp_path, fault):
+    pytest.importorskip("aiohttp")
+    from openai_double import OpenAIDouble
+
+    prefill = OpenAIDouble("p", prefill=fault != "no producer")
+    decode = OpenAIDouble("d", loads=fault != "recomputes")
+    with _serving(prefill, decode) as (p, d):
+        instances = ([] if fault == "no prefill" else ["--instance", f"{p}@prefill"]) + \
+            ["--instance", f"{p}", "--instance", f"{d}@decode"]
+        proc = _calibrate(*instances, "--model", "m", "--lengths", "16,64,128",
+                          "--repeats", "1", "--decode-tokens", "4",
+                          "--out", str(tmp_path / "x.json"))
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert {"recomputes": "loaded no KV", "no producer": "handed no KV",
+            "no prefill": "needs a prefill instance"}[fault] in proc.stderr
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_instances_calibrated_side_by_side_are_pooled():

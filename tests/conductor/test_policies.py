@@ -220,3 +220,25 @@ def test_the_views_measured_correction_decides_and_rejects() -> None:
     decision = LoadBalancePolicy(COST).choose(_request(), view)
     assert (decision.predicted_ttft_s, decision.model_ttft_s) == (
         pytest.approx(3 * fast_model), pytest.approx(fast_model))
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_a_kv_handoff_after_prefill_counts_in_p_d_estimates(colocated: bool) -> None:
+    # vLLM's P/D handoff: the decode pulls the prompt's 4096 tokens after the prefill, and
+    # the first token comes from it 0.5 s later; an ordinary engine moves nothing
+    after = CostModel(kv_streamed_during_prefill=False, transfer_latency_s=0.5)
+    handoff = 0.0 if colocated else after.kv_transfer_s(4096)
+    assert handoff == 0.0 or handoff > 0.5
+    view = FakeView([0.2, 0.0], colocated=colocated,
+                    forecasts=[DecodeForecast(0, 0.0)] * (2 if colocated else 1))
+    prefill = after.prefill_s(4096)
+    for policy in (LoadBalancePolicy(after), CacheAwarePolicy(after),
+                   ConductorPolicy(after, Slo(ttft_s=100.0))):
+        decision = policy.choose(_request(), view)
+        assert decision.predicted_ttft_s == pytest.approx(prefill + handoff), policy.name
+    # within the SLO on the prefill alone, refused with the handoff
+    edge = ConductorPolicy(after, Slo(ttft_s=prefill + 0.25))
+    assert edge.choose(_request(), view).rejected is not colocated
+    # streamed during prefill (Mooncake's layer-wise transfer): nothing after it
+    assert ConductorPolicy(COST, Slo(ttft_s=100.0)).choose(_request(), view) \
+        .predicted_ttft_s == pytest.approx(COST.prefill_s(4096))

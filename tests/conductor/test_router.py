@@ -20,7 +20,8 @@ from mooncake_plugins.conductor.costmodel import CostModel  # noqa: E402
 from mooncake_plugins.conductor.policies import Slo, make_policy  # noqa: E402
 from mooncake_plugins.conductor.router.instances import Pool  # noqa: E402
 from mooncake_plugins.conductor.router.prompts import Hasher  # noqa: E402
-from mooncake_plugins.conductor.router.server import PD_KEYS, Router, RouterConfig  # noqa: E402
+from mooncake_plugins.conductor.router.pd_handoff import PD_KEYS  # noqa: E402
+from mooncake_plugins.conductor.router.server import Router, RouterConfig  # noqa: E402
 from openai_double import HANDLE, OpenAIDouble  # noqa: E402
 
 PREFIX = "You are a helpful assistant. " * 40   # about 300 tokens, 19 blocks of 16
@@ -445,3 +446,31 @@ def test_the_decode_forecast_counts_who_decodes_at_that_time():
     assert [(f.requests, f.context_tokens) for f in (
         view.decode_forecast(0, now + t) for t in (0.05, 0.15, 0.3, 0.5))] == [
         (2, 400.0), (1, 300.0), (2, 500.0), (1, 300.0)]
+
+
+def test_a_pd_handoff_after_prefill_sets_when_the_decode_gets_the_request():
+    """With the KV pulled after the prefill (0.3 s + 1 ms a token), the prefill's blocks
+    are ready at its end, the decode holds them and is joined a handoff later, and a
+    request whose prefill answered decodes until a handoff plus its steps from then."""
+    cost = CostModel(prefill_fixed_s=0.2, prefill_s_per_token=0.0, prefill_s_per_token_sq=0.0,
+                     decode_fixed_s=0.01, decode_s_per_request=0.0,
+                     decode_s_per_context_token=0.0, transfer_latency_s=0.3,
+                     kv_bytes_per_token=1000, transfer_bytes_per_s=1e6,
+                     kv_streamed_during_prefill=False)
+    r = router("load_balance", [("http://p", "prefill"), ("http://d", "decode")], cost=cost,
+               correct_ttft=False)
+    req = r.hasher.request("/v1/completions", {"model": "m", "prompt": list(range(64)),
+                                               "max_tokens": 5})
+    decision, view = r.decide(req)
+    handoff = 0.3 + 64e-3
+    assert decision.predicted_ttft_s == pytest.approx(0.2 + handoff)
+    prefill, decode = r.admit(1, req, decision, view)
+    now = r.pool.now()
+    first, last, _ = decode.joining[1]
+    assert first == pytest.approx(now + 0.2 + handoff, abs=0.01)
+    assert last == pytest.approx(first + 4 * 0.01)
+    assert prefill.prefix(req.hash_ids) == (4, pytest.approx(first - handoff))
+    assert decode.prefix(req.hash_ids) == (4, pytest.approx(first))
+    r.first_token(1, prefill, decode)
+    assert 1 not in decode.joining
+    assert decode.decode_ends[1] == pytest.approx(r.pool.now() + handoff + 4 * 0.01, abs=0.01)

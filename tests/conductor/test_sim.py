@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -314,3 +315,29 @@ def test_shared_slowdown_stretches_prefills_that_overlap_another() -> None:
     assert [o.ttft_s for o in result.outcomes] == pytest.approx([p, 1.5 * p, p])
     with pytest.raises(InvalidArgument):
         ClusterConfig(shared_slowdown=0.5)
+
+
+def test_a_kv_handoff_after_prefill_delays_the_first_token() -> None:
+    # P/D behind vLLM's handoff: A's KV (1024 tokens) moves in 0.5 s + 1024 x 1 ms after
+    # its prefill; its first token comes from the decode then, and its 100 steps follow
+    after = CostModel(decode_fixed_s=0.01, decode_s_per_request=0.0,
+                      decode_s_per_context_token=0.0, transfer_latency_s=0.5,
+                      kv_bytes_per_token=1000, transfer_bytes_per_s=1e6,
+                      kv_streamed_during_prefill=False)
+    requests = [_req(0, (1, 2), output=101)]
+    pd = ClusterConfig(num_prefill=1, num_decode=1, decode_max_batch=4, cost=after)
+    (a,) = simulate(requests, LoadBalancePolicy(after), pd, SLO, keep_outcomes=True).outcomes
+    assert a.ttft_s == pytest.approx(after.prefill_s(1024) + 1.524)
+    assert a.tbt_s == pytest.approx(0.01)   # the transfer is in the TTFT, not the TBT
+    # streamed during prefill, the same transfer outlasts the prefill: TTFT is the
+    # prefill's end, and the late join shows in the TBT
+    during = dataclasses.replace(after, kv_streamed_during_prefill=True)
+    (b,) = simulate(requests, LoadBalancePolicy(during),
+                    ClusterConfig(num_prefill=1, num_decode=1, decode_max_batch=4, cost=during),
+                    SLO, keep_outcomes=True).outcomes
+    assert b.ttft_s == pytest.approx(during.prefill_s(1024)) and b.tbt_s > 0.01
+    # an ordinary engine moves nothing
+    (c,) = simulate(requests, LoadBalancePolicy(after),
+                    ClusterConfig(num_prefill=1, num_decode=1, decode_max_batch=4, cost=after,
+                                  colocated=True), SLO, keep_outcomes=True).outcomes
+    assert c.ttft_s == pytest.approx(after.prefill_s(1024))

@@ -8,9 +8,19 @@ time of a batch of one. Several instances are measured in rounds, each round one
 (its own) on every instance at once, and their times pooled: engines that share a
 host's cores or memory bandwidth are then timed as they run when the cluster is busy
 (alone, each is faster).
+
+KV transfer, given a prefill and a decode instance (a P/D pair): after one handoff that
+makes first contact (reported, not fitted), fresh prompts of the same lengths go through
+vLLM's P/D handoff (:mod:`.pd_handoff`), and the decode leg (pull the KV, recompute the
+last token, answer) is timed; a line fitted to the median
+per length gives ``transfer_latency_s`` (its intercept) and ``transfer_bytes_per_s``
+(``kv_bytes_per_token`` over its slope), and ``kv_streamed_during_prefill`` is False:
+the decode pulls after the prefill answered. The decode's
+``vllm:external_prefix_cache_hits_total`` must grow (else it recomputed the prompts,
+and the calibration fails saying so).
 What the engines cannot tell from outside (how a step grows with the batch and its
-context, KV bytes per token, transfer rate) keeps the given values. The result is the
-``CostModel`` fields as JSON, what ``mooncake-conductor serve --cost-model`` reads.
+context, KV bytes per token) keeps the given values. The result is the ``CostModel``
+fields as JSON, what ``mooncake-conductor serve --cost-model`` reads.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import Callable, Sequence
 import aiohttp
 
 from ..costmodel import CostModel
+from .pd_handoff import decode_params, prefill_body
 
 DEFAULT_LENGTHS = (16, 128, 256, 512, 1024, 1536)
 
@@ -71,6 +82,43 @@ async def _decode_step(session: aiohttp.ClientSession, url: str, model: str,
     return (stamps[-1] - stamps[1]) / (len(stamps) - 2)
 
 
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``(intercept, slope)`` of ``y = c0 + c1 x``."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if n < 2 or sxx == 0:
+        raise ValueError("the lengths do not determine a line (need 2 distinct)")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - slope * mx, slope
+
+
+async def _handoff(session: aiohttp.ClientSession, prefill: str, decode: str, model: str,
+                   n: int, rng: random.Random) -> float:
+    """One P/D request of a fresh ``n``-token prompt: the decode leg's seconds."""
+    body = {"model": model, "prompt": [rng.randrange(1, 1000) for _ in range(n)],
+            "max_tokens": 1, "temperature": 0.0}
+    async with session.post(prefill + "/v1/completions", json=prefill_body(body)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{prefill} answered {resp.status}: {(await resp.text())[:300]}")
+        params = decode_params(await resp.json())
+    if params is None:
+        raise RuntimeError(f"{prefill} handed no KV to a decode (is it a kv_producer of a "
+                           f"P/D connector?)")
+    return await _timed(session, decode, dict(body, kv_transfer_params=params))
+
+
+async def _external_hits(session: aiohttp.ClientSession, url: str) -> float | None:
+    """The engine's ``vllm:external_prefix_cache_hits_total`` (None: not exported)."""
+    async with session.get(url + "/metrics") as resp:
+        if resp.status != 200:
+            return None
+        text = await resp.text()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:external_prefix_cache_hits_total")]
+    return sum(values) if values else None
+
+
 async def _round(session: aiohttp.ClientSession, urls: Sequence[str], model: str, n: int,
                  rng: random.Random) -> list[float]:
     """One prefill of a fresh ``n``-token prompt on every instance at once."""
@@ -83,11 +131,13 @@ async def calibrate(urls: str | Sequence[str], model: str,
                     lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 3,
                     decode_tokens: int = 32, base: CostModel | None = None,
                     progress: Callable[[str], None] = lambda _: None,
-                    seed: int | None = None) -> tuple[CostModel, list[tuple[int, float]]]:
+                    seed: int | None = None,
+                    pd_pair: tuple[str, str] | None = None
+                    ) -> tuple[CostModel, list[tuple[int, float]]]:
     """The model fitted to ``urls`` (measured side by side) and the measured
-    ``(prompt tokens, median prefill seconds)``. Prompts are drawn fresh each call
-    (``seed`` None): a second calibration of the same engine must not hit its prefix
-    cache."""
+    ``(prompt tokens, median prefill seconds)``; with ``pd_pair`` (a prefill and a decode
+    URL) the KV transfer too. Prompts are drawn fresh each call (``seed`` None): a second
+    calibration of the same engine must not hit its prefix cache."""
     urls = [url.rstrip("/") for url in ([urls] if isinstance(urls, str) else urls)]
     rng = random.Random(random.SystemRandom().randrange(1 << 62) if seed is None else seed)
     measured: list[tuple[int, float]] = []
@@ -100,14 +150,47 @@ async def calibrate(urls: str | Sequence[str], model: str,
             progress(f"prefill {n:6d} tokens: {measured[-1][1] * 1e3:8.1f} ms")
         step = statistics.median(await asyncio.gather(*(
             _decode_step(session, url, model, decode_tokens, rng) for url in urls)))
-    progress(f"decode step (batch 1): {step * 1e3:.2f} ms"
-             + (f" ({len(urls)} instances side by side)" if len(urls) > 1 else ""))
+        progress(f"decode step (batch 1): {step * 1e3:.2f} ms"
+                 + (f" ({len(urls)} instances side by side)" if len(urls) > 1 else ""))
+        base = base or CostModel()
+        if pd_pair is not None:
+            base = await _calibrate_handoff(session, *(u.rstrip("/") for u in pd_pair),
+                                            model, lengths, repeats, rng, base, progress)
     c0, c1, c2 = fit_quadratic([n for n, _ in measured], [s for _, s in measured])
-    base = base or CostModel()
     return dataclasses.replace(base, prefill_fixed_s=max(c0, 0.0),
                                prefill_s_per_token=max(c1, 0.0),
                                prefill_s_per_token_sq=max(c2, 0.0),
                                decode_fixed_s=step), measured
+
+
+MIN_S_PER_TOKEN = 1e-9
+"""Slopes below this (a transfer lost in the noise of the fixed cost) are taken as this."""
+
+
+async def _calibrate_handoff(session: aiohttp.ClientSession, prefill: str, decode: str,
+                             model: str, lengths: Sequence[int], repeats: int,
+                             rng: random.Random, base: CostModel,
+                             progress: Callable[[str], None]) -> CostModel:
+    """``base`` with the transfer fields fitted to the decode legs of P/D requests."""
+    first = await _handoff(session, prefill, decode, model, min(lengths), rng)
+    progress(f"P/D handoff, first contact: {first * 1e3:.1f} ms (not fitted)")
+    hits_before = await _external_hits(session, decode)
+    medians = []
+    for n in lengths:
+        medians.append(statistics.median([await _handoff(session, prefill, decode, model, n,
+                                                         rng) for _ in range(repeats)]))
+        progress(f"P/D handoff {n:6d} tokens: {medians[-1] * 1e3:8.1f} ms (decode leg)")
+    hits_after = await _external_hits(session, decode)
+    if hits_before is not None and hits_after is not None and hits_after <= hits_before:
+        raise RuntimeError(f"{decode} loaded no KV from {prefill} (its external prefix "
+                           f"cache hits did not grow): it recomputed the prompts")
+    c0, c1 = fit_line(list(lengths), medians)
+    c1 = max(c1, MIN_S_PER_TOKEN)
+    rate = base.kv_bytes_per_token / c1
+    progress(f"KV transfer: {max(c0, 0.0) * 1e3:.1f} ms + {c1 * 1e6:.2f} us/token "
+             f"({rate / 1e9:.3f} GB/s at {base.kv_bytes_per_token} B/token)")
+    return dataclasses.replace(base, transfer_latency_s=max(c0, 0.0),
+                               transfer_bytes_per_s=rate, kv_streamed_during_prefill=False)
 
 
 def run(urls: str | Sequence[str], model: str, **kw) -> tuple[CostModel, list[tuple[int, float]]]:

@@ -28,7 +28,6 @@ import logging
 import math
 import statistics
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass
 import aiohttp
@@ -40,18 +39,12 @@ from ..costmodel import CostModel
 from ..policies import POOL, ConductorPolicy, Decision, Policy, Slo
 from .instances import DEFAULT_OUTPUT_TOKENS, Instance, Pool, _Flight
 from .kv_events import KvEventIndex, subscribe
+from .pd_handoff import decode_params, prefill_body
 from .prompts import BadRequest, Hasher, RoutedRequest
 from .store_view import StoreView
 from .view import LiveView
 
 log = logging.getLogger(__name__)
-
-PD_KEYS = ("do_remote_prefill", "do_remote_decode", "transfer_id", "remote_engine_id",
-           "remote_host", "remote_port", "remote_ports", "remote_tp_size",
-           "remote_block_size", "prompt_digest", "remote_block_ids", "remote_request_id")
-"""kv_transfer_params keys a prefill's answer hands to the decode (ours, vLLM's Mooncake
-and NIXL connectors)."""
-
 
 @dataclass
 class RouterConfig:
@@ -178,13 +171,14 @@ class Router:
                                        model_ttft_s=model_s,
                                        expected_ttft_s=decision.predicted_ttft_s,
                                        timed=req.stream)
-        ready = now + decision.predicted_ttft_s
-        prefill.learn(req.hash_ids, ready, self.pool.cache_blocks)
+        first = now + decision.predicted_ttft_s   # P/D: at the decode, after the handoff
+        handoff = 0.0 if decode is prefill else self.config.cost.handoff_s(req.input_length)
+        prefill.learn(req.hash_ids, first - handoff, self.pool.cache_blocks)
         self._last_routed[prefill.url] = now
         if decode is not prefill:
-            decode.learn(req.hash_ids, ready, self.pool.cache_blocks)
+            decode.learn(req.hash_ids, first, self.pool.cache_blocks)
             output = req.max_tokens or DEFAULT_OUTPUT_TOKENS
-            decode.joining[rid] = (ready, ready + (output - 1) * self.step_s(decode),
+            decode.joining[rid] = (first, first + (output - 1) * self.step_s(decode),
                                    req.input_length)
         self.metrics.hit_tokens.inc(cached)
         if decision.pull_from == POOL:   # what the instance itself holds is not loaded
@@ -201,9 +195,12 @@ class Router:
             flight.first_token = True
             now = self.pool.now()
             decode = decode or inst
+            handoff = 0.0 if decode is inst else \
+                self.config.cost.handoff_s(flight.context_tokens)
             decode.joining.pop(rid, None)
             decode.decoding[rid] = flight.context_tokens
-            decode.decode_ends[rid] = now + (flight.output_tokens - 1) * self.step_s(decode)
+            decode.decode_ends[rid] = now + handoff + \
+                (flight.output_tokens - 1) * self.step_s(decode)
             inst.learn(flight.hash_ids, now, self.pool.cache_blocks)  # computed
 
     def first_byte(self, rid: int, inst: Instance) -> None:
@@ -291,12 +288,7 @@ class Router:
     async def _prefill(self, request: web.Request, body: dict, rid: int,
                        inst: Instance, decode: Instance) -> dict | None:
         """The prefill leg of a P/D request: one token; the decode's kv_transfer_params."""
-        first = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        first["max_tokens"] = 1
-        if "max_completion_tokens" in first:
-            first["max_completion_tokens"] = 1
-        first["kv_transfer_params"] = {"do_remote_decode": True,
-                                       "transfer_id": uuid.uuid4().hex}
+        first = prefill_body(body)
         self.metrics.routed.labels(inst.url, "prefill").inc()
         try:
             async with self._http().post(inst.url + request.path, json=first) as resp:
@@ -306,10 +298,7 @@ class Router:
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise _Unreachable(inst, f"prefill: {exc!r}") from exc
         self.first_token(rid, inst, decode)
-        handed = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        if not isinstance(handed, dict) or not handed.get("do_remote_prefill"):
-            return None   # the prefill kept nothing: the decode computes the prompt
-        return {k: handed[k] for k in PD_KEYS if k in handed}
+        return decode_params(answer)
 
     async def _forward(self, request: web.Request, body: dict, rid: int, inst: Instance,
                        side: str, started: Instance | None = None) -> web.StreamResponse:

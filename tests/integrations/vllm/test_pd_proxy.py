@@ -1,4 +1,5 @@
-"""The example P/D proxy's HTTP routing, against two stand-in OpenAI servers."""
+"""The example P/D proxy's HTTP routing (the Conductor's router, round robin over one
+prefill and one decode instance), against two stand-in OpenAI servers."""
 
 from __future__ import annotations
 
@@ -57,4 +58,5 @@ def test_proxy_sends_prefill_then_decode_with_the_handle(answer):
     if answer is None:
         assert second["kv_transfer_params"] is None, "no handle: the decode computes"
     else:
-        assert second["kv_transfer_params"] == {k: ANSWER[k] for k in PD_KEYS}
+        assert second["kv_transfer_params"] == {k: ANSWER[k] for k in PD_KEYS if k in ANSWER}
+        assert "remote_prefill_cached_tokens" not in second["kv_transfer_params"]

@@ -1,9 +1,10 @@
 """Disaggregated prefill as a user runs it: two vLLM OpenAI servers (what ``vllm serve``
 starts), our P/D connector chosen by its entry-point name alone, and the example HTTP
-proxy in front.
+proxy (the Conductor's router) in front.
 
 A completion sent to the proxy must come back with the single engine's greedy tokens, the
 prefill's KV having been written into the decode's cache (both logs count the blocks).
+Then ``mooncake-conductor calibrate`` times the pair's KV handoff.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def _vllm_serve(model: str, port: int, role: str, core: str, tmp: Path, name: st
 
 
 @pytest.fixture
-def served(tiny_llama, tmp_path) -> Iterator[tuple[str, Path]]:
-    """(the proxy's URL, the logs' folder) with both engines and the proxy up."""
+def served(tiny_llama, tmp_path) -> Iterator[tuple[str, Path, list[str]]]:
+    """(the proxy's URL, the logs' folder, the prefill's and the decode's URLs) with both
+    engines and the proxy up."""
     procs: list[subprocess.Popen] = []
     rpcs = [tempfile.mkdtemp(prefix="vllm-rpc-") for _ in range(2)]
     ports = [free_port() for _ in range(3)]
@@ -71,7 +73,7 @@ def served(tiny_llama, tmp_path) -> Iterator[tuple[str, Path]]:
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         assert wait_until(lambda: http_up(proxy_url), 30, 0.2), "the proxy did not start"
         shm = set().union(*(shm_inodes_of_group(p.pid) for p in procs))
-        yield proxy_url, tmp_path
+        yield proxy_url, tmp_path, [f"http://127.0.0.1:{p}" for p in ports[:2]]
     finally:
         for proc in procs:
             terminate_group(proc, timeout_s=30)
@@ -81,7 +83,7 @@ def served(tiny_llama, tmp_path) -> Iterator[tuple[str, Path]]:
 
 
 def test_vllm_serve_behind_the_proxy_decodes_from_the_prefills_kv(served, baseline, tiny_llama):
-    proxy_url, logs = served
+    proxy_url, logs, (prefill, decode) = served
     answer = http(f"{proxy_url}/v1/completions", {
         "model": tiny_llama, "prompt": prompt_tokens(PROMPT_LEN, 0),
         "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
@@ -91,3 +93,19 @@ def test_vllm_serve_behind_the_proxy_decodes_from_the_prefills_kv(served, baseli
     received = re.findall(r"received (\d+) blocks \((\d+) bytes\)",
                           (logs / "decode.log").read_text())
     assert sent == received == [("6", str(6 * BLOCK_NBYTES))]   # 5 full blocks and the last
+
+    # the pair's handoff timed for the cost model: prompts of 3 lengths, the decode
+    # loading each from the prefill (it fails if the decode recomputed instead)
+    out = logs / "cost.json"
+    proc = subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
+                           "calibrate", "--instance", f"{prefill}@prefill", "--instance",
+                           f"{decode}@decode", "--model", tiny_llama, "--lengths",
+                           "128,512,1024", "--repeats", "1", "--decode-tokens", "4",
+                           "--kv-bytes-per-token", str(BLOCK_NBYTES // 128), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    from mooncake_plugins.conductor.costmodel import CostModel
+    cost = CostModel(**json.loads(out.read_text()))
+    assert not cost.kv_streamed_during_prefill and cost.handoff_s(1024) > 0
+    received = re.findall(r"received (\d+) blocks", (logs / "decode.log").read_text())
+    assert [int(n) for n in received[1:]] == [1, 4, 8], received   # 1 + 128 / 512 / 1024
