@@ -100,13 +100,22 @@ def test_vllm_in_tree_connector_keys_are_recognised(master) -> None:
         assert view.prefix_blocks(prompt) == 3
         (layout,) = view.layouts
         assert (layout.kind, layout.base, layout.size) == ("vllm", model, 1)
-        # a second rank's key of block 0 appears: the next look learns TP 2, and only
-        # block 0 has both ranks
+        # a second rank's key of block 0 appears: the next look learns TP 2 by probing
+        # rank 1 (no scan of the master's keys), and only block 0 has both ranks
+
+        def no_scan(first_hex: str) -> bool:
+            raise AssertionError("the master's keys were scanned again")
+
+        view._discover = no_scan   # type: ignore[method-assign]
         put(rpc, [key(1, hexes[0])])
         assert view.prefix_blocks(prompt) == 1
         assert [lay.size for lay in view.layouts] == [2]
         put(rpc, [key(1, h) for h in hexes[1:3]])
         assert view.prefix_blocks(prompt) == 3
+        # ranks 2 and 3 at once: one look probes its way to TP 4
+        put(rpc, [key(r, h) for r in (2, 3) for h in hexes[:3]])
+        assert view.prefix_blocks(prompt) == 3
+        assert [lay.size for lay in view.layouts] == [4]
     finally:
         view.close()
 

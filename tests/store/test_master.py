@@ -259,3 +259,36 @@ def test_keys_with_suffix_and_peek_take_no_lease(clock):
     assert m.exist("vllm/m/L/tp0of2/ab12")
     with pytest.raises(ObjectHasLease):
         m.remove("vllm/m/L/tp0of2/ab12")
+
+
+def test_keys_with_suffix_scans_without_holding_the_lock(clock):
+    """The scan runs on a copy of the key list: another thread can take the master's lock
+    while keys are being compared (it once held it through the whole scan, and with
+    300k objects every other call waited about 130 ms)."""
+    import threading
+
+    m = service(clock)
+    free_while_scanning: list[bool] = []
+
+    def lock_free() -> bool:
+        got: list[bool] = []
+
+        def probe() -> None:
+            got.append(m._lock.acquire(blocking=False))
+            if got[0]:
+                m._lock.release()
+
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join()
+        return got[0]
+
+    class ProbingKey(str):
+        def endswith(self, suffix, *args):   # called by the scan for every key
+            free_while_scanning.append(lock_free())
+            return str.endswith(self, suffix, *args)
+
+    put(m, ProbingKey("vllm/m/L/tp0of1/ab12"), 10)
+    put(m, "vllm/m/L/tp0of1/cd34", 10)
+    assert m.keys_with_suffix("/ab12", 10) == ["vllm/m/L/tp0of1/ab12"]
+    assert free_while_scanning == [True]

@@ -8,14 +8,16 @@ Two key layouts are recognised, both ending in vLLM's block hash:
 - vLLM's in-tree ``MooncakeStoreConnector``'s (run on our drop-in ``mooncake`` package),
   ``{model}@tp_rank:{rank}@pcp{i}@dcp{j}@pp_rank:{k}@group:{g}@{hash}``; its TP size is
   not in the key, so it is taken as the highest rank seen for a prompt's first block,
-  plus one, and looked at again now and then (pipeline stages count as layouts of their
-  own).
+  plus one, and the next rank is probed now and then (pipeline stages count as layouts
+  of their own).
 
 The router computes the prompt's vLLM block hashes (:mod:`.vllm_hashes`), and the first
 time a prompt's first block is in the store it learns the layouts from the master
-(``keys_with_suffix``, a scan the master answers without taking leases); after that one
-``peek`` per request and layout (no lease either: a router's look must not keep blocks
-from eviction) says which blocks every rank has. A master that cannot be reached costs a
+(``keys_with_suffix``, a scan the master answers without taking leases, repeated at most
+every ``rediscover_s`` while no known layout holds a prompt's first block); after that
+one ``peek`` per request and layout (no lease either: a router's look must not keep
+blocks from eviction) says which blocks every rank has, and a vLLM layout's TP size is
+checked by peeking the next rank's key of a held first block (no scan). A master that cannot be reached costs a
 log line a minute and counts as holding nothing.
 
 An HA master group (``etcd://host:port[;host:port]``) is followed as the store's clients
@@ -66,8 +68,11 @@ class Layout:
         """Every rank's key of each block, block-major."""
         if self.kind == "ours":
             return block_keys.all_ranks(self.base, hexes, self.size)
-        return [f"{self.base}@tp_rank:{r}{self.tail}@{h}" for h in hexes
-                for r in range(self.size)]
+        return [self.rank_key(r, h) for h in hexes for r in range(self.size)]
+
+    def rank_key(self, rank: int, hex_hash: str) -> str:
+        """A vLLM layout's key of one block at one rank."""
+        return f"{self.base}@tp_rank:{rank}{self.tail}@{hex_hash}"
 
     @staticmethod
     def of(key: str) -> tuple[Layout, int] | None:
@@ -82,6 +87,8 @@ class Layout:
         return Layout("vllm", m["pre"], int(m["rank"]) + 1, m["post"]), int(m["rank"])
 
 
+MAX_PROBED_RANKS = 64
+"""Most ranks a vLLM layout's TP size grows by in one look."""
 LEADER_LOOKUP_S = 1.0
 """Least time between two reads of an HA group's leader from etcd."""
 
@@ -133,11 +140,11 @@ class StoreView:
         hexes = [h.hex() for h in self.hashes.of(token_ids, usable)]
         try:
             best = max((self._held(layout, hexes) for layout in self.layouts), default=0)
-            # a vLLM layout's TP size is a lower bound: it is looked at again too
+            # a vLLM layout's TP size is a lower bound: the next rank is probed too
             unsure = any(layout.kind == "vllm" for layout in self.layouts)
             if (best == 0 or unsure) and time.monotonic() >= self._next_discovery:
                 self._next_discovery = time.monotonic() + self._rediscover_s
-                if self._discover(hexes[0]):
+                if self._discover(hexes[0]) if best == 0 else self._grow(hexes[0]):
                     best = max(self._held(layout, hexes) for layout in self.layouts)
             return best
         except MooncakeError as exc:
@@ -190,6 +197,25 @@ class StoreView:
             self.layouts.append(layout)
             changed = True
         return changed
+
+    def _grow(self, first_hex: str) -> bool:
+        """Probe each vLLM layout's next rank for the block ``first_hex`` (one ``peek``
+        per step, no scan); whether a TP size grew."""
+        grown = False
+        for _ in range(MAX_PROBED_RANKS):
+            vllm = [i for i, layout in enumerate(self.layouts) if layout.kind == "vllm"]
+            present = self._master().call("peek", keys=[
+                self.layouts[i].rank_key(self.layouts[i].size, first_hex) for i in vllm])
+            if not any(present):
+                break
+            for i, found in zip(vllm, present):
+                if found:
+                    layout = self.layouts[i]
+                    self.layouts[i] = Layout(layout.kind, layout.base, layout.size + 1,
+                                             layout.tail)
+                    log.info("store layout %s: TP %d seen", layout.base, layout.size + 1)
+            grown = True
+        return grown
 
     def close(self) -> None:
         if self._rpc is not None:
