@@ -120,6 +120,30 @@ def test_vllm_in_tree_connector_keys_are_recognised(master) -> None:
         view.close()
 
 
+def test_a_block_counts_only_where_every_pipeline_stage_holds_it(master) -> None:
+    """vLLM's in-tree keys name the pipeline stage: stage 0 holds blocks 0-3 and stage 1
+    blocks 0-1 of one model, so two blocks are whole; another model's single stage
+    holding three blocks wins."""
+    server, rpc = master
+    prompt = tokens(6, 8)
+    hexes = [h.hex() for h in VllmBlockHashes(BLOCK).of(prompt)]
+
+    def key(model: str, pp: int, h: str) -> str:
+        return f"{model}@tp_rank:0@pcp0@dcp0@pp_rank:{pp}@group:0@{h}"
+
+    put(rpc, [key("/m/a", 0, h) for h in hexes[:4]] + [key("/m/a", 1, h) for h in hexes[:2]])
+    view = StoreView(f"127.0.0.1:{server.port}", VllmBlockHashes(BLOCK), rediscover_s=0)
+    try:
+        assert view.prefix_blocks(prompt) == 2
+        assert len(view.layouts) == 2
+        put(rpc, [key("/m/b", 0, h) for h in hexes[:3]])
+        view._next_discovery = 0.0
+        assert view._discover(hexes[0])
+        assert view.prefix_blocks(prompt) == 3
+    finally:
+        view.close()
+
+
 def test_an_unreachable_master_counts_as_holding_nothing(caplog) -> None:
     view = StoreView("127.0.0.1:9", VllmBlockHashes(BLOCK), timeout_s=0.5)
     with caplog.at_level(logging.WARNING):

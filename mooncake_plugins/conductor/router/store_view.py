@@ -8,8 +8,8 @@ Two key layouts are recognised, both ending in vLLM's block hash:
 - vLLM's in-tree ``MooncakeStoreConnector``'s (run on our drop-in ``mooncake`` package),
   ``{model}@tp_rank:{rank}@pcp{i}@dcp{j}@pp_rank:{k}@group:{g}@{hash}``; its TP size is
   not in the key, so it is taken as the highest rank seen for a prompt's first block,
-  plus one, and the next rank is probed now and then (pipeline stages count as layouts
-  of their own).
+  plus one, and the next rank is probed now and then; a block counts only where every
+  pipeline stage seen holds it (each stage keys its own layers).
 
 The router computes the prompt's vLLM block hashes (:mod:`.vllm_hashes`), and the first
 time a prompt's first block is in the store it learns the layouts from the master
@@ -43,6 +43,7 @@ from .vllm_hashes import VllmBlockHashes
 
 log = logging.getLogger(__name__)
 
+_PP_RANK = re.compile(r"@pp_rank:\d+")
 _VLLM_KEY = re.compile(r"^(?P<pre>.+)@tp_rank:(?P<rank>\d+)"
                        r"(?P<post>@pcp\d+@dcp\d+@pp_rank:\d+@group:\d+)@(?P<hash>[0-9a-f]+)$")
 
@@ -63,6 +64,12 @@ class Layout:
     def family(self) -> tuple[str, str, str]:
         """The layout but for its TP size."""
         return self.kind, self.base, self.tail
+
+    @property
+    def model(self) -> tuple[str, str, str]:
+        """The family but for its pipeline stage: the stages of one model, each holding
+        its own layers of a block, share it."""
+        return self.kind, self.base, _PP_RANK.sub("@pp_rank:*", self.tail)
 
     def keys(self, hexes: Sequence[str]) -> list[str]:
         """Every rank's key of each block, block-major."""
@@ -139,13 +146,13 @@ class StoreView:
             return 0
         hexes = [h.hex() for h in self.hashes.of(token_ids, usable)]
         try:
-            best = max((self._held(layout, hexes) for layout in self.layouts), default=0)
+            best = self._best(hexes)
             # a vLLM layout's TP size is a lower bound: the next rank is probed too
             unsure = any(layout.kind == "vllm" for layout in self.layouts)
             if (best == 0 or unsure) and time.monotonic() >= self._next_discovery:
                 self._next_discovery = time.monotonic() + self._rediscover_s
                 if self._discover(hexes[0]) if best == 0 else self._grow(hexes[0]):
-                    best = max(self._held(layout, hexes) for layout in self.layouts)
+                    best = self._best(hexes)
             return best
         except MooncakeError as exc:
             if time.monotonic() >= self._next_warning:
@@ -173,6 +180,15 @@ class StoreView:
                  leader.address, leader.term)
         self._rpc = RpcClient(*split_address(leader.address), self._timeout_s)
         return self._rpc
+
+    def _best(self, hexes: list[str]) -> int:
+        """The most leading blocks one model holds whole: at every TP rank of every
+        pipeline stage seen."""
+        held: dict[tuple[str, str, str], int] = {}
+        for layout in self.layouts:
+            n = self._held(layout, hexes)
+            held[layout.model] = min(held.get(layout.model, n), n)
+        return max(held.values(), default=0)
 
     def _held(self, layout: Layout, hexes: list[str]) -> int:
         present = self._master().call("peek", keys=layout.keys(hexes))
