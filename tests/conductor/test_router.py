@@ -474,3 +474,17 @@ def test_a_pd_handoff_after_prefill_sets_when_the_decode_gets_the_request():
     r.first_token(1, prefill, decode)
     assert 1 not in decode.joining
     assert decode.decode_ends[1] == pytest.approx(r.pool.now() + handoff + 4 * 0.01, abs=0.01)
+
+
+def test_a_stream_that_came_in_one_burst_teaches_no_decode_pace():
+    """Tokens relayed all at once (buffered on their way) say nothing of the engine's
+    step: such a stream is not a decode sample; a paced one is."""
+    cost = CostModel(decode_fixed_s=0.002, decode_s_per_request=0.0,
+                     decode_s_per_context_token=0.0)
+    r = router("round_robin", [("http://a", "both")], cost=cost)
+    (inst,) = list(r.pool)
+    r.decoded(inst, 15, 0.0)
+    r.decoded(inst, 15, 1e-5)
+    assert inst.tbt.samples == 0 and inst.tbt.ratio == 1.0
+    r.decoded(inst, 15, 15 * 0.01)
+    assert inst.tbt.samples == 1 and inst.tbt.ratio > 1.0

