@@ -42,10 +42,10 @@ def prefill_params(transfer_id: str | None = None) -> dict[str, Any]:
     return {"do_remote_decode": True, "transfer_id": transfer_id or uuid.uuid4().hex}
 
 
-def decode_params(prefill_params: dict[str, Any] | None) -> dict[str, Any] | None:
+def decode_params(handed: dict[str, Any] | None) -> dict[str, Any] | None:
     """kv_transfer_params of the decode request, from those the prefill returned (None:
     the prefill kept nothing, the decode computes the prompt itself)."""
-    return pd_handoff.decode_params({"kv_transfer_params": prefill_params})
+    return pd_handoff.decode_params({"kv_transfer_params": handed})
 
 
 def prefill_request(prefill: Generate, prompt: list[int], sampling: dict[str, Any],

@@ -47,6 +47,7 @@ from .view import LiveView
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class RouterConfig:
     """How the router decides and behaves."""
