@@ -152,7 +152,7 @@ def _calibrate(args: argparse.Namespace) -> None:
           f"{model.decode_fixed_s * 1e3:.2f} ms + {model.decode_s_per_request * 1e3:.2f} ms "
           f"a request"
           + ("" if model.kv_streamed_during_prefill else
-             f"; P/D handoff {model.transfer_latency_s * 1e3:.1f} ms + "
+             f"; P/D handoff {model.handoff_latency_s * 1e3:.1f} ms + "
              f"{model.kv_bytes_per_token / model.transfer_bytes_per_s * 1e6:.2f} us/token"),
           flush=True)
 

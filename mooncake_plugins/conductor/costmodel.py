@@ -22,8 +22,9 @@ measured here:
   Mooncake, so its first token comes at the prefill's end. Behind vLLM's P/D protocol
   (the prefill answers, then the decode request carries its handle and pulls the KV) it
   follows the prefill instead, and the client's first token comes from the decode a
-  transfer later: ``kv_streamed_during_prefill=False``, what ``mooncake-conductor
-  calibrate`` measures and sets for a prefill/decode pair.
+  handoff later (the decode leg's own request, ``handoff_latency_s``, and the bytes):
+  ``kv_streamed_during_prefill=False``, what ``mooncake-conductor calibrate`` measures
+  and sets for a prefill/decode pair.
 
 The fixed costs (20 ms per prefill, 1 ms per transfer) are guesses for scheduling and
 launch overhead. Every figure is a field of :class:`CostModel`, so a calibrated model can
@@ -53,8 +54,11 @@ class CostModel:
         transfer_bytes_per_s: bandwidth of a KV transfer between instances or from the pool.
         transfer_latency_s: setup cost of one KV transfer.
         kv_streamed_during_prefill: a P/D request's KV moves while its prefill computes
-            (first token at the prefill's end), not after it (first token a transfer
+            (first token at the prefill's end), not after it (first token a handoff
             later, from the decode).
+        handoff_latency_s: without streaming during prefill, the fixed cost of the
+            decode leg that pulls the KV (its request, scheduling, the recomputed last
+            token).
     """
 
     prefill_fixed_s: float = 0.020
@@ -67,6 +71,7 @@ class CostModel:
     transfer_bytes_per_s: float = 87e9
     transfer_latency_s: float = 0.001
     kv_streamed_during_prefill: bool = True
+    handoff_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -131,5 +136,7 @@ class CostModel:
 
     def handoff_s(self, tokens: int) -> float:
         """Time from a P/D request's prefill end to its first token, ``tokens`` of KV
-        moved to the decode: the whole transfer when it follows the prefill, else 0."""
-        return 0.0 if self.kv_streamed_during_prefill else self.kv_transfer_s(tokens)
+        moved to the decode: the decode leg when the KV follows the prefill, else 0."""
+        if self.kv_streamed_during_prefill:
+            return 0.0
+        return self.handoff_latency_s + self.kv_nbytes(tokens) / self.transfer_bytes_per_s

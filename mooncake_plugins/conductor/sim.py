@@ -17,8 +17,8 @@ Model (one replay, single-threaded, deterministic for a given policy seed):
 - The prompt's KV streams to the chosen decode instance layer by layer while prefill
   runs, as in Mooncake, so it lands at ``max(prefill end, prefill start + transfer)``.
   Prefill emits the first token. With ``CostModel.kv_streamed_during_prefill`` False
-  (vLLM's P/D protocol) the transfer starts at the prefill's end, and the first token
-  comes from the decode when it lands. Decode runs continuous batching with at most
+  (vLLM's P/D protocol) the KV moves after the prefill's end (:meth:`CostModel.handoff_s`),
+  and the first token comes from the decode when it lands. Decode runs continuous batching with at most
   ``decode_max_batch`` requests; extra requests wait for a slot. Step time
   (:meth:`CostModel.decode_step_s`) is recomputed whenever the batch changes and held
   constant in between.
@@ -487,7 +487,7 @@ class _Replay:
         elif cost.kv_streamed_during_prefill:
             first_s, joins_s = end_s, max(end_s, start_s + cost.kv_transfer_s(length))
         else:
-            first_s = joins_s = end_s + cost.kv_transfer_s(length)
+            first_s = joins_s = end_s + cost.handoff_s(length)
         self.ttft[index] = first_s - now
         self.first_token[index] = first_s
         if request.output_length <= 1:

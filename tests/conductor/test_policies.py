@@ -226,8 +226,8 @@ def test_the_views_measured_correction_decides_and_rejects() -> None:
 def test_a_kv_handoff_after_prefill_counts_in_p_d_estimates(colocated: bool) -> None:
     # vLLM's P/D handoff: the decode pulls the prompt's 4096 tokens after the prefill, and
     # the first token comes from it 0.5 s later; an ordinary engine moves nothing
-    after = CostModel(kv_streamed_during_prefill=False, transfer_latency_s=0.5)
-    handoff = 0.0 if colocated else after.kv_transfer_s(4096)
+    after = CostModel(kv_streamed_during_prefill=False, handoff_latency_s=0.5)
+    handoff = 0.0 if colocated else after.handoff_s(4096)
     assert handoff == 0.0 or handoff > 0.5
     view = FakeView([0.2, 0.0], colocated=colocated,
                     forecasts=[DecodeForecast(0, 0.0)] * (2 if colocated else 1))

@@ -320,10 +320,11 @@ def test_shared_slowdown_stretches_prefills_that_overlap_another() -> None:
 def test_a_kv_handoff_after_prefill_delays_the_first_token() -> None:
     # P/D behind vLLM's handoff: A's KV (1024 tokens) moves in 0.5 s + 1024 x 1 ms after
     # its prefill; its first token comes from the decode then, and its 100 steps follow
+    # (a load's own 5 s setup is not the handoff's)
     after = CostModel(decode_fixed_s=0.01, decode_s_per_request=0.0,
-                      decode_s_per_context_token=0.0, transfer_latency_s=0.5,
-                      kv_bytes_per_token=1000, transfer_bytes_per_s=1e6,
-                      kv_streamed_during_prefill=False)
+                      decode_s_per_context_token=0.0, transfer_latency_s=5.0,
+                      handoff_latency_s=0.5, kv_bytes_per_token=1000,
+                      transfer_bytes_per_s=1e6, kv_streamed_during_prefill=False)
     requests = [_req(0, (1, 2), output=101)]
     pd = ClusterConfig(num_prefill=1, num_decode=1, decode_max_batch=4, cost=after)
     (a,) = simulate(requests, LoadBalancePolicy(after), pd, SLO, keep_outcomes=True).outcomes

@@ -20,7 +20,7 @@ KV transfer, given a prefill and a decode instance (a P/D pair): after one hando
 makes first contact (reported, not fitted), fresh prompts of the same lengths go through
 vLLM's P/D handoff (:mod:`.pd_handoff`) and the decode leg (pull the KV, recompute the
 last token, answer) is timed; a line through the median per length gives
-``transfer_latency_s`` (its intercept) and ``transfer_bytes_per_s``
+``handoff_latency_s`` (its intercept) and ``transfer_bytes_per_s``
 (``kv_bytes_per_token`` over its slope), and ``kv_streamed_during_prefill`` is False:
 the decode pulls after the prefill answered. The decode's
 ``vllm:external_prefix_cache_hits_total`` must grow (else it recomputed the prompts, and
@@ -228,7 +228,7 @@ async def _calibrate_handoff(session: aiohttp.ClientSession, prefill: str, decod
     rate = base.kv_bytes_per_token / c1
     progress(f"KV transfer: {max(c0, 0.0) * 1e3:.1f} ms + {c1 * 1e6:.2f} us/token "
              f"({rate / 1e9:.3f} GB/s at {base.kv_bytes_per_token} B/token)")
-    return dataclasses.replace(base, transfer_latency_s=max(c0, 0.0),
+    return dataclasses.replace(base, handoff_latency_s=max(c0, 0.0),
                                transfer_bytes_per_s=rate, kv_streamed_during_prefill=False)
 
 

@@ -108,4 +108,5 @@ def test_vllm_serve_behind_the_proxy_decodes_from_the_prefills_kv(served, baseli
     cost = CostModel(**json.loads(out.read_text()))
     assert not cost.kv_streamed_during_prefill and cost.handoff_s(1024) > 0
     received = re.findall(r"received (\d+) blocks", (logs / "decode.log").read_text())
-    assert [int(n) for n in received[1:]] == [1, 4, 8], received   # 1 + 128 / 512 / 1024
+    # the proxied prompt's 6, first contact (128 tokens), then 128 / 512 / 1024
+    assert [int(n) for n in received] == [6, 1, 1, 4, 8], received
