@@ -15,10 +15,10 @@ The router computes the prompt's vLLM block hashes (:mod:`.vllm_hashes`), and th
 time a prompt's first block is in the store it learns the layouts from the master
 (``keys_with_suffix``, a scan the master answers without taking leases, repeated at most
 every ``rediscover_s`` while no known layout holds a prompt's first block); after that
-one ``peek`` per request and layout (no lease either: a router's look must not keep
-blocks from eviction) says which blocks every rank has, and a vLLM layout's TP size is
-checked by peeking the next rank's key of a held first block (no scan). A master that cannot be reached costs a
-log line a minute and counts as holding nothing.
+one ``peek`` per request for every layout at once (no lease either: a router's look must
+not keep blocks from eviction) says which blocks every rank has, and a vLLM layout's TP
+size is checked by peeking the next rank's key of a held first block (no scan). A
+master that cannot be reached costs a log line a minute and counts as holding nothing.
 
 An HA master group (``etcd://host:port[;host:port]``) is followed as the store's clients
 follow it: the leader published in etcd is asked; when it cannot be reached, etcd is read
@@ -184,15 +184,17 @@ class StoreView:
     def _best(self, hexes: list[str]) -> int:
         """The most leading blocks one model holds whole: at every TP rank of every
         pipeline stage seen."""
+        if not self.layouts:
+            return 0
+        keys = [layout.keys(hexes) for layout in self.layouts]
+        present = self._master().call("peek", keys=[k for each in keys for k in each])
         held: dict[tuple[str, str, str], int] = {}
-        for layout in self.layouts:
-            n = self._held(layout, hexes)
+        at = 0
+        for layout, each in zip(self.layouts, keys):
+            n = block_keys.leading_blocks(present[at:at + len(each)], layout.size)
+            at += len(each)
             held[layout.model] = min(held.get(layout.model, n), n)
-        return max(held.values(), default=0)
-
-    def _held(self, layout: Layout, hexes: list[str]) -> int:
-        present = self._master().call("peek", keys=layout.keys(hexes))
-        return block_keys.leading_blocks(present, layout.size)
+        return max(held.values())
 
     def _discover(self, first_hex: str) -> bool:
         """Learn the layouts that hold the block ``first_hex`` (a vLLM layout's size
