@@ -1,6 +1,6 @@
 """``mooncake-conductor serve``: the Conductor as a router in front of vLLM instances;
 ``mooncake-conductor calibrate``: its cost model fitted to running engines (prefill,
-decode step, and a P/D pair's KV handoff).
+decode step, a P/D pair's KV handoff, loads from the shared store).
 
     mooncake-conductor serve --instance http://127.0.0.1:8100 --instance http://127.0.0.1:8200 \\
         --policy conductor --slo-ttft 2 --slo-tbt 0.1 --port 8000
@@ -17,11 +17,15 @@ import argparse
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from mooncake_plugins.cli._args import ArgumentParser, install_hint, port
 from mooncake_plugins.conductor.costmodel import CostModel
 from mooncake_plugins.conductor.policies import POLICY_NAMES, Slo, make_policy
 from mooncake_plugins.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from mooncake_plugins.conductor.router.store_view import StoreView
 
 
 def _instance(text: str) -> tuple[str, str, str | None]:
@@ -35,6 +39,31 @@ def _instance(text: str) -> tuple[str, str, str | None]:
             raise argparse.ArgumentTypeError(f"expected URL[@ROLE][,events=tcp://HOST:PORT], "
                                              f"got {text!r}")
     return url, role or "both", events
+
+
+def _store_args(parser: argparse.ArgumentParser, use: str) -> None:
+    """The flags of the engines' block size and of the shared store's view."""
+    parser.add_argument("--block-tokens", type=int, default=16,
+                        help="tokens per KV block: the engines' --block-size")
+    parser.add_argument("--store", metavar="HOST:PORT", help="our master's RPC address, or "
+                        "etcd://HOST:PORT of an HA group (its leader is followed): " + use)
+    parser.add_argument("--store-cluster-id", default="mooncake",
+                        help="the HA group's --cluster_id (with --store etcd://...)")
+    parser.add_argument("--store-hash-algo", default="sha256",
+                        help="the engines' --prefix-caching-hash-algo (sha256, sha256_cbor)")
+    parser.add_argument("--store-hash-seed", help="the engines' PYTHONHASHSEED, if set")
+
+
+def _store_view(args: argparse.Namespace, rediscover_s: float = 30.0) -> "StoreView | None":
+    """The store's view the flags name (None without ``--store``)."""
+    if not args.store:
+        return None
+    from mooncake_plugins.conductor.router.store_view import StoreView
+    from mooncake_plugins.conductor.router.vllm_hashes import VllmBlockHashes
+
+    return StoreView(args.store, VllmBlockHashes(args.block_tokens, args.store_hash_algo,
+                                                 args.store_hash_seed),
+                     rediscover_s=rediscover_s, cluster_id=args.store_cluster_id)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -61,23 +90,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                        "of recent measured/estimated TTFT ratios breaks the TTFT SLO (e.g. "
                        "0.9; default: the estimate alone)")
     serve.add_argument("--cost-model", help="JSON file of CostModel fields (a calibration)")
-    serve.add_argument("--block-tokens", type=int, default=16,
-                       help="tokens per KV block: the engines' --block-size")
     serve.add_argument("--decode-max-batch", type=int, default=256,
                        help="the engines' --max-num-seqs")
     serve.add_argument("--cache-blocks", type=int, default=1 << 20,
                        help="blocks remembered per instance (least recently routed dropped)")
     serve.add_argument("--tokenizer", help="Hugging Face tokenizer of the model, for exact "
                        "prompt lengths (else about 4 bytes a token)")
-    serve.add_argument("--store", metavar="HOST:PORT", help="our master's RPC address, or "
-                       "etcd://HOST:PORT of an HA group (its leader is followed): prompts "
-                       "whose blocks the store holds (our vLLM store connector's keys) are "
-                       "priced as loads from it; needs token-id prompts or --tokenizer")
-    serve.add_argument("--store-cluster-id", default="mooncake",
-                       help="the HA group's --cluster_id (with --store etcd://...)")
-    serve.add_argument("--store-hash-algo", default="sha256",
-                       help="the engines' --prefix-caching-hash-algo (sha256, sha256_cbor)")
-    serve.add_argument("--store-hash-seed", help="the engines' PYTHONHASHSEED, if set")
+    _store_args(serve, "prompts whose blocks the store holds (our vLLM store connector's "
+                "keys) are priced as loads from it; needs token-id prompts or --tokenizer")
     serve.add_argument("--retries", type=int, default=2,
                        help="other instances tried when one cannot be reached")
     serve.add_argument("--health-interval", type=float, default=2.0)
@@ -102,9 +122,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                      "to time how a step grows with the batch (the engines' --max-num-seqs "
                      "or fewer; 1: keep the given growth)")
     cal.add_argument("--kv-bytes-per-token", type=int, help="the model's KV bytes per token")
-    cal.add_argument("--transfer-gbps", type=float, help="KV transfer rate, GB/s, where no "
-                     "P/D pair is measured")
+    cal.add_argument("--transfer-gbps", type=float, help="KV transfer rate, GB/s, of what "
+                     "is not measured (a P/D handoff, store loads)")
     cal.add_argument("--out", required=True, help="JSON file to write")
+    _store_args(cal, "the first two instances (running our store connector, kv_both, on "
+                "it) are timed loading what the other saved")
     cal.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -123,7 +145,8 @@ def _calibrate(args: argparse.Namespace) -> None:
         if args.kv_bytes_per_token:
             base = dataclasses.replace(base, kv_bytes_per_token=args.kv_bytes_per_token)
         if args.transfer_gbps:
-            base = dataclasses.replace(base, transfer_bytes_per_s=args.transfer_gbps * 1e9)
+            base = dataclasses.replace(base, transfer_bytes_per_s=args.transfer_gbps * 1e9,
+                                       handoff_bytes_per_s=args.transfer_gbps * 1e9)
         for url, _, events in args.instance:
             if events:
                 raise ValueError(f"--instance {url}: calibrate reads no KV events")
@@ -131,17 +154,25 @@ def _calibrate(args: argparse.Namespace) -> None:
         decodes = [url for url, role, _ in args.instance if role == "decode"]
         if not prefills:
             raise ValueError("no instance to prefill on: give one that is not @decode")
+        if args.store and len(prefills) < 2:
+            raise ValueError("--store: a load is timed between two instances (one saves, "
+                             "the other loads): give two that are not @decode")
         pair = None
         if decodes:
             pair = next(((url, decodes[0]) for url, role, _ in args.instance
                          if role == "prefill"), None)
             if pair is None:
                 raise ValueError("a decode instance needs a prefill instance to pair with")
-        model, _ = calibrate.run(prefills, args.model, lengths=lengths,
-                                 repeats=args.repeats, decode_tokens=args.decode_tokens,
-                                 decode_batch=args.decode_batch,
-                                 base=base, progress=lambda line: print(line, flush=True),
-                                 pd_pair=pair)
+        store = _store_view(args, rediscover_s=0.5)   # layouts appear as blocks are saved
+        try:
+            model, _ = calibrate.run(prefills, args.model, lengths=lengths,
+                                     repeats=args.repeats, decode_tokens=args.decode_tokens,
+                                     decode_batch=args.decode_batch, base=base,
+                                     progress=lambda line: print(line, flush=True),
+                                     pd_pair=pair, store=store)
+        finally:
+            if store is not None:
+                store.close()
     except (OSError, ValueError, RuntimeError) as exc:
         sys.exit(f"mooncake-conductor calibrate: {exc}")
     with open(args.out, "w") as f:
@@ -153,6 +184,9 @@ def _calibrate(args: argparse.Namespace) -> None:
           f"a request"
           + ("" if model.kv_streamed_during_prefill else
              f"; P/D handoff {model.handoff_latency_s * 1e3:.1f} ms + "
+             f"{model.kv_bytes_per_token / model.handoff_bytes_per_s * 1e6:.2f} us/token")
+          + ("" if store is None else
+             f"; store load {model.transfer_latency_s * 1e3:.1f} ms + "
              f"{model.kv_bytes_per_token / model.transfer_bytes_per_s * 1e6:.2f} us/token"),
           flush=True)
 
@@ -174,8 +208,6 @@ def main(argv: list[str] | None = None) -> None:
         from mooncake_plugins.conductor.router.instances import Pool
         from mooncake_plugins.conductor.router.prompts import Hasher, hf_tokenizer
         from mooncake_plugins.conductor.router.server import Router, RouterConfig
-        from mooncake_plugins.conductor.router.store_view import StoreView
-        from mooncake_plugins.conductor.router.vllm_hashes import VllmBlockHashes
     except ImportError as exc:
         sys.exit(f"mooncake-conductor: {exc}: {install_hint(exc)}")
     instances = list(args.instance)
@@ -195,12 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         for url, role, events in instances:
             pool.add(url, role, events)
         tokenize = hf_tokenizer(args.tokenizer) if args.tokenizer else None
-        store = None
-        if args.store:
-            store = StoreView(args.store, VllmBlockHashes(args.block_tokens,
-                                                          args.store_hash_algo,
-                                                          args.store_hash_seed),
-                              cluster_id=args.store_cluster_id)
+        store = _store_view(args)
     except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as exc:
         sys.exit(f"mooncake-conductor: {exc}")
     if not len(pool):

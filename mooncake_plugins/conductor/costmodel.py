@@ -22,9 +22,11 @@ measured here:
   Mooncake, so its first token comes at the prefill's end. Behind vLLM's P/D protocol
   (the prefill answers, then the decode request carries its handle and pulls the KV) it
   follows the prefill instead, and the client's first token comes from the decode a
-  handoff later (the decode leg's own request, ``handoff_latency_s``, and the bytes):
-  ``kv_streamed_during_prefill=False``, what ``mooncake-conductor calibrate`` measures
-  and sets for a prefill/decode pair.
+  handoff later (the decode leg's own request, ``handoff_latency_s``, and the bytes at
+  ``handoff_bytes_per_s``): ``kv_streamed_during_prefill=False``, what
+  ``mooncake-conductor calibrate`` measures and sets for a prefill/decode pair. Loads
+  from the pool (``transfer_latency_s``, ``transfer_bytes_per_s``) it measures with
+  ``--store``: an engine loading a prompt another engine saved.
 
 The fixed costs (20 ms per prefill, 1 ms per transfer) are guesses for scheduling and
 launch overhead. Every figure is a field of :class:`CostModel`, so a calibrated model can
@@ -51,14 +53,17 @@ class CostModel:
         decode_s_per_request: added step cost per request in the batch.
         decode_s_per_context_token: added step cost per token of KV the batch attends to.
         kv_bytes_per_token: size of one token's KV cache across all layers.
-        transfer_bytes_per_s: bandwidth of a KV transfer between instances or from the pool.
-        transfer_latency_s: setup cost of one KV transfer.
+        transfer_bytes_per_s: bandwidth of a KV load from the pool or a peer instance
+            (and of a P/D request's KV streamed during its prefill, which costs no time).
+        transfer_latency_s: setup cost of one such load.
         kv_streamed_during_prefill: a P/D request's KV moves while its prefill computes
             (first token at the prefill's end), not after it (first token a handoff
             later, from the decode).
         handoff_latency_s: without streaming during prefill, the fixed cost of the
             decode leg that pulls the KV (its request, scheduling, the recomputed last
             token).
+        handoff_bytes_per_s: without streaming during prefill, the rate of that pull
+            (a P/D connector's, which need not be the pool's).
     """
 
     prefill_fixed_s: float = 0.020
@@ -72,13 +77,15 @@ class CostModel:
     transfer_latency_s: float = 0.001
     kv_streamed_during_prefill: bool = True
     handoff_latency_s: float = 0.0
+    handoff_bytes_per_s: float = 87e9
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
-        if self.transfer_bytes_per_s == 0:
-            raise InvalidArgument("CostModel.transfer_bytes_per_s must be > 0")
+        for name in ("transfer_bytes_per_s", "handoff_bytes_per_s"):
+            if getattr(self, name) == 0:
+                raise InvalidArgument(f"CostModel.{name} must be > 0")
 
     def prefill_s(self, input_tokens: int, cached_tokens: int = 0) -> float:
         """Time to prefill a prompt whose first ``cached_tokens`` have KV already.
@@ -139,4 +146,4 @@ class CostModel:
         moved to the decode: the decode leg when the KV follows the prefill, else 0."""
         if self.kv_streamed_during_prefill:
             return 0.0
-        return self.handoff_latency_s + self.kv_nbytes(tokens) / self.transfer_bytes_per_s
+        return self.handoff_latency_s + self.kv_nbytes(tokens) / self.handoff_bytes_per_s

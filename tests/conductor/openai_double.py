@@ -5,14 +5,16 @@ tokens, plus ``step_per_stream_s`` per stream it sends at that time, for calibra
 P/D prefill side, answers with a kv_transfer_params handle. As a decode side given a
 handle it "loads" the prompt in ``transfer_per_token_s`` a token instead of computing
 it, and counts the loaded tokens in ``/metrics`` as vLLM does (unless ``loads`` is
-False: it recomputes). Real vLLM engines behind the router are tested in
+False: it recomputes). Beside a store: ``saves`` is called with each prompt it answered,
+and ``store_hits`` tells how many of a prompt's tokens the store holds, which it "loads"
+in ``store_load_s`` plus ``transfer_per_token_s`` a token (counted as above). Real vLLM engines behind the router are tested in
 tests/integrations/vllm/test_conductor_router.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -26,12 +28,16 @@ class OpenAIDouble:
                  die_mid_stream: bool = False, prefill: bool = False,
                  per_token_s: float = 0.0, step_s: float = 0.0,
                  transfer_per_token_s: float = 0.0, loads: bool = True,
-                 step_per_stream_s: float = 0.0) -> None:
+                 step_per_stream_s: float = 0.0,
+                 saves: Callable[[list[int]], None] | None = None,
+                 store_hits: Callable[[list[int]], int] | None = None,
+                 store_load_s: float = 0.0) -> None:
         self.name, self.delay_s, self.chunks = name, delay_s, chunks
         self.die_mid_stream, self.prefill = die_mid_stream, prefill
         self.per_token_s, self.step_s = per_token_s, step_s   # a modelled engine's speed
         self.transfer_per_token_s, self.loads = transfer_per_token_s, loads
         self.step_per_stream_s, self.streaming = step_per_stream_s, 0   # a batch's cost
+        self.saves, self.store_hits, self.store_load_s = saves, store_hits, store_load_s
         self.loaded_tokens = 0
         self.seen: list[dict[str, Any]] = []
 
@@ -44,8 +50,14 @@ class OpenAIDouble:
         if handle.get("do_remote_prefill") and self.loads:
             self.loaded_tokens += tokens
             await asyncio.sleep(self.delay_s + self.transfer_per_token_s * tokens)
+        elif self.store_hits is not None and tokens and (hit := self.store_hits(prompt)):
+            self.loaded_tokens += hit
+            await asyncio.sleep(self.delay_s + self.store_load_s + self.transfer_per_token_s
+                                * hit + self.per_token_s * (tokens - hit))
         else:
             await asyncio.sleep(self.delay_s + self.per_token_s * tokens)
+        if self.saves is not None and tokens:
+            self.saves(prompt)
         if not body.get("stream"):
             answer: dict[str, Any] = {"id": self.name, "choices": [{"text": self.name}]}
             if self.prefill:

@@ -115,8 +115,10 @@ def test_a_pd_pair_is_calibrated_for_its_kv_handoff(tmp_path):
     cost = CostModel(**json.loads(out.read_text()))
     assert not cost.kv_streamed_during_prefill
     assert cost.handoff_latency_s == pytest.approx(0.02, abs=0.01)
-    assert cost.transfer_latency_s == CostModel().transfer_latency_s   # loads: not this
-    assert 1000 / cost.transfer_bytes_per_s == pytest.approx(20e-6, rel=0.25)
+    assert 1000 / cost.handoff_bytes_per_s == pytest.approx(20e-6, rel=0.25)
+    # loads from the store are not this
+    assert (cost.transfer_latency_s, cost.transfer_bytes_per_s) == \
+        (CostModel().transfer_latency_s, CostModel().transfer_bytes_per_s)
     # the prefill was measured on the prefill instance only (the decode computes at
     # 1 ms a token: a fit that took it in would be far off)
     assert cost.prefill_s_per_token == pytest.approx(40e-6, rel=0.25)
@@ -199,3 +201,93 @@ def test_streams_that_come_in_one_burst_give_no_decode_pace(tmp_path):
                           "--repeats", "1", "--out", str(tmp_path / "x.json"))
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "came in one burst" in proc.stderr
+
+
+STORE_BLOCK = 16
+STORE_BASE = "vllm/tiny-0123456789ab/cpu-FullAttentionSpec-float32-bs16-kvh2-hd64-L2-pp1"
+
+
+@contextlib.contextmanager
+def _store_pair(loads: bool) -> Iterator[tuple[str, list[str], object]]:
+    """A real master and two stand-in engines: each "saves" (0.2 s after answering, as
+    our connector saves in the background) the full blocks of a prompt to the master
+    under our connector's keys, and loads (when ``loads``) what is saved there in 30 ms
+    plus 10 us a token instead of computing it at 40 us a token."""
+    from local_master import put, running_master
+    from openai_double import OpenAIDouble
+
+    from mooncake_plugins.conductor.router.vllm_hashes import VllmBlockHashes
+    from mooncake_plugins.store.rpc import RpcClient
+
+    saved: set[tuple[int, ...]] = set()
+    timers: list[threading.Timer] = []
+    with running_master() as (server, _):
+        def save(prompt: list[int]) -> None:
+            def later() -> None:
+                rpc = RpcClient("127.0.0.1", server.port)
+                try:
+                    usable = (len(prompt) - 1) // STORE_BLOCK
+                    hexes = VllmBlockHashes(STORE_BLOCK).of(prompt, usable)
+                    if hexes:
+                        put(rpc, [f"{STORE_BASE}/tp0of1/{h.hex()}" for h in hexes])
+                    saved.add(tuple(prompt))
+                finally:
+                    rpc.close()
+            timers.append(threading.Timer(0.2, later))
+            timers[-1].start()
+
+        def hits(prompt: list[int]) -> int:
+            usable = (len(prompt) - 1) // STORE_BLOCK * STORE_BLOCK
+            return usable if loads and tuple(prompt) in saved else 0
+
+        engines = [OpenAIDouble(name, delay_s=0.02, per_token_s=40e-6, step_s=0.005,
+                                saves=save, store_hits=hits, store_load_s=0.03,
+                                transfer_per_token_s=10e-6) for name in "ab"]
+        try:
+            with _serving(*engines) as urls:
+                yield f"127.0.0.1:{server.port}", urls, engines
+        finally:
+            for timer in timers:   # no save outlives the master
+                timer.join()
+
+
+def test_loads_from_the_store_are_calibrated(tmp_path):
+    """One stand-in saves each prompt to a real master; the other, once the master holds
+    its blocks, loads them (30 ms + 10 us a token): the fitted load is that, beside the
+    prefill fitted as before, and the handoff untouched."""
+    pytest.importorskip("aiohttp")
+    out = tmp_path / "cost.json"
+    with _store_pair(loads=True) as (store, (a, b), (saver, loader)):
+        proc = _calibrate("--instance", a, "--instance", b, "--model", "m",
+                          "--lengths", "16,512,1024,2048", "--repeats", "2",
+                          "--decode-tokens", "8", "--kv-bytes-per-token", "1000",
+                          "--store", store, "--block-tokens", str(STORE_BLOCK),
+                          "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "store load   2048 tokens:   2032 loaded" in proc.stdout
+    assert "store load" in proc.stdout.splitlines()[-1]
+    cost = CostModel(**json.loads(out.read_text()))
+    assert cost.transfer_latency_s == pytest.approx(0.03, abs=0.012)
+    assert 1000 / cost.transfer_bytes_per_s == pytest.approx(10e-6, rel=0.3)
+    assert cost.prefill_s_per_token == pytest.approx(40e-6, rel=0.25)
+    assert cost.kv_streamed_during_prefill and cost.handoff_bytes_per_s == 87e9
+    # the first contact and 3 lengths of 2 (16 tokens hold no full block before the last)
+    assert loader.loaded_tokens == 496 + 2 * (496 + 1008 + 2032)
+    assert saver.loaded_tokens == 0
+
+
+@pytest.mark.parametrize("fault", ["recomputes", "one instance"])
+def test_a_store_load_that_loads_nothing_fails_the_calibration(tmp_path, fault):
+    pytest.importorskip("aiohttp")
+    with _store_pair(loads=fault != "recomputes") as (store, urls, _):
+        proc = _calibrate(*[a for u in urls[:1 if fault == "one instance" else 2]
+                            for a in ("--instance", u)],
+                          "--model", "m", "--lengths", "16,64,128", "--repeats", "1",
+                          "--decode-tokens", "4", "--store", store,
+                          "--block-tokens", str(STORE_BLOCK),
+                          "--out", str(tmp_path / "x.json"))
+    assert proc.returncode != 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("mooncake-conductor calibrate:")
+    assert {"recomputes": "it recomputed them",
+            "one instance": "give two that are not @decode"}[fault] in proc.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -455,7 +455,7 @@ def test_a_pd_handoff_after_prefill_sets_when_the_decode_gets_the_request():
     cost = CostModel(prefill_fixed_s=0.2, prefill_s_per_token=0.0, prefill_s_per_token_sq=0.0,
                      decode_fixed_s=0.01, decode_s_per_request=0.0,
                      decode_s_per_context_token=0.0, handoff_latency_s=0.3,
-                     kv_bytes_per_token=1000, transfer_bytes_per_s=1e6,
+                     kv_bytes_per_token=1000, handoff_bytes_per_s=1e6,
                      kv_streamed_during_prefill=False)
     r = router("load_balance", [("http://p", "prefill"), ("http://d", "decode")], cost=cost,
                correct_ttft=False)

@@ -320,11 +320,12 @@ def test_shared_slowdown_stretches_prefills_that_overlap_another() -> None:
 def test_a_kv_handoff_after_prefill_delays_the_first_token() -> None:
     # P/D behind vLLM's handoff: A's KV (1024 tokens) moves in 0.5 s + 1024 x 1 ms after
     # its prefill; its first token comes from the decode then, and its 100 steps follow
-    # (a load's own 5 s setup is not the handoff's)
+    # (a load's own 5 s setup and 1 kB/s are not the handoff's)
     after = CostModel(decode_fixed_s=0.01, decode_s_per_request=0.0,
                       decode_s_per_context_token=0.0, transfer_latency_s=5.0,
                       handoff_latency_s=0.5, kv_bytes_per_token=1000,
-                      transfer_bytes_per_s=1e6, kv_streamed_during_prefill=False)
+                      transfer_bytes_per_s=1e3, handoff_bytes_per_s=1e6,
+                      kv_streamed_during_prefill=False)
     requests = [_req(0, (1, 2), output=101)]
     pd = ClusterConfig(num_prefill=1, num_decode=1, decode_max_batch=4, cost=after)
     (a,) = simulate(requests, LoadBalancePolicy(after), pd, SLO, keep_outcomes=True).outcomes
@@ -332,7 +333,8 @@ def test_a_kv_handoff_after_prefill_delays_the_first_token() -> None:
     assert a.tbt_s == pytest.approx(0.01)   # the transfer is in the TTFT, not the TBT
     # streamed during prefill, the same transfer outlasts the prefill: TTFT is the
     # prefill's end, and the late join shows in the TBT
-    during = dataclasses.replace(after, kv_streamed_during_prefill=True)
+    during = dataclasses.replace(after, kv_streamed_during_prefill=True,
+                                 transfer_bytes_per_s=1e6)
     (b,) = simulate(requests, LoadBalancePolicy(during),
                     ClusterConfig(num_prefill=1, num_decode=1, decode_max_batch=4, cost=during),
                     SLO, keep_outcomes=True).outcomes

@@ -13,6 +13,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 from helpers import free_port, wait_until
+from local_master import put, running_master
 
 from mooncake_plugins.conductor.costmodel import CostModel
 from mooncake_plugins.conductor.policies import Slo, make_policy
@@ -25,29 +26,12 @@ from mooncake_plugins.store.server import MasterServer, ServerOptions
 
 BLOCK = 16
 BASE = "vllm/tiny-0123456789ab/cpu-FullAttentionSpec-float32-bs16-kvh2-hd64-L2-pp1"
-PUT_CONFIG = {"replica_num": 1, "preferred_segments": [], "with_soft_pin": False,
-              "upsert": False}
 
 
 @pytest.fixture
 def master() -> Iterator[tuple[MasterServer, RpcClient]]:
-    """A master with one client and segment that puts objects (no bytes move)."""
-    server = MasterServer(MasterConfig(), ServerOptions(rpc_port=0))
-    server.start()
-    rpc = RpcClient("127.0.0.1", server.port)
-    rpc.call("register_client", client_id="writer", host_id="h")
-    rpc.call("mount_segment", client_id="writer", segment="seg", base=1 << 32, nbytes=1 << 24)
-    try:
-        yield server, rpc
-    finally:
-        rpc.close()
-        server.close()
-
-
-def put(rpc: RpcClient, keys: list[str]) -> None:
-    rpc.call("put_start", client_id="writer", keys=keys, sizes=[64] * len(keys),
-             config=PUT_CONFIG)
-    rpc.call("put_end", client_id="writer", keys=keys)
+    with running_master() as m:
+        yield m
 
 
 def tokens(seed: int, blocks: int) -> list[int]:

@@ -20,11 +20,19 @@ KV transfer, given a prefill and a decode instance (a P/D pair): after one hando
 makes first contact (reported, not fitted), fresh prompts of the same lengths go through
 vLLM's P/D handoff (:mod:`.pd_handoff`) and the decode leg (pull the KV, recompute the
 last token, answer) is timed; a line through the median per length gives
-``handoff_latency_s`` (its intercept) and ``transfer_bytes_per_s``
+``handoff_latency_s`` (its intercept) and ``handoff_bytes_per_s``
 (``kv_bytes_per_token`` over its slope), and ``kv_streamed_during_prefill`` is False:
 the decode pulls after the prefill answered. The decode's
 ``vllm:external_prefix_cache_hits_total`` must grow (else it recomputed the prompts, and
 the calibration fails saying so).
+
+Loads from the shared store, given its view (``--store``) and two instances running our
+store connector (``kv_both``): a fresh prompt on the first instance, which saves its
+blocks; once the store holds them (up to ``SAVE_WAIT_S``), the same prompt on the second,
+timed, which loads them. Its hit tokens are what its ``vllm:external_prefix_cache_hits_total``
+grew by (none: it recomputed, and the calibration fails saying so), the load is its time
+less the fitted prefill of the tokens it computed, and a line through the median per
+length gives ``transfer_latency_s`` and ``transfer_bytes_per_s``.
 
 What the engines cannot tell from outside (how a step grows with its context, KV bytes
 per token) keeps the given values. The result is the ``CostModel`` fields as JSON, what
@@ -45,6 +53,7 @@ import aiohttp
 from ..costmodel import CostModel
 from .measured_ratio import BURST_S
 from .pd_handoff import decode_params, prefill_body
+from .store_view import StoreView
 
 DEFAULT_LENGTHS = (16, 128, 256, 512, 1024, 1536)
 
@@ -151,11 +160,13 @@ async def calibrate(urls: str | Sequence[str], model: str,
                     base: CostModel | None = None,
                     progress: Callable[[str], None] = lambda _: None,
                     seed: int | None = None,
-                    pd_pair: tuple[str, str] | None = None
+                    pd_pair: tuple[str, str] | None = None,
+                    store: StoreView | None = None
                     ) -> tuple[CostModel, list[tuple[int, float]]]:
     """The model fitted to ``urls`` (measured side by side) and the measured
     ``(prompt tokens, median prefill seconds)``; with ``pd_pair`` (a prefill and a decode
-    URL) the KV transfer too. Prompts are drawn fresh each call (``seed`` None): a second
+    URL) the KV handoff too; with ``store`` the loads from it (the first two ``urls``
+    save and load). Prompts are drawn fresh each call (``seed`` None): a second
     calibration of the same engine must not hit its prefix cache."""
     urls = [url.rstrip("/") for url in ([urls] if isinstance(urls, str) else urls)]
     rng = random.Random(random.SystemRandom().randrange(1 << 62) if seed is None else seed)
@@ -180,12 +191,19 @@ async def calibrate(urls: str | Sequence[str], model: str,
         if pd_pair is not None:
             base = await _calibrate_handoff(session, *(u.rstrip("/") for u in pd_pair),
                                             model, lengths, repeats, rng, base, progress)
-    c0, c1, c2 = fit_quadratic([n for n, _ in measured], [s for _, s in measured])
-    return dataclasses.replace(base, prefill_fixed_s=max(c0, 0.0),
-                               prefill_s_per_token=max(c1, 0.0),
-                               prefill_s_per_token_sq=max(c2, 0.0),
-                               decode_fixed_s=max(step - per_request, 0.0),
-                               decode_s_per_request=per_request), measured
+        c0, c1, c2 = fit_quadratic([n for n, _ in measured], [s for _, s in measured])
+        base = dataclasses.replace(base, prefill_fixed_s=max(c0, 0.0),
+                                   prefill_s_per_token=max(c1, 0.0),
+                                   prefill_s_per_token_sq=max(c2, 0.0),
+                                   decode_fixed_s=max(step - per_request, 0.0),
+                                   decode_s_per_request=per_request)
+        if store is not None:
+            if len(urls) < 2:
+                raise ValueError("a store load is timed between two instances: give two "
+                                 "that prefill")
+            base = await _calibrate_loads(session, urls[0], urls[1], model, lengths,
+                                          repeats, rng, base, store, progress)
+    return base, measured
 
 
 async def _pace(session: aiohttp.ClientSession, urls: Sequence[str], model: str,
@@ -229,7 +247,70 @@ async def _calibrate_handoff(session: aiohttp.ClientSession, prefill: str, decod
     progress(f"KV transfer: {max(c0, 0.0) * 1e3:.1f} ms + {c1 * 1e6:.2f} us/token "
              f"({rate / 1e9:.3f} GB/s at {base.kv_bytes_per_token} B/token)")
     return dataclasses.replace(base, handoff_latency_s=max(c0, 0.0),
-                               transfer_bytes_per_s=rate, kv_streamed_during_prefill=False)
+                               handoff_bytes_per_s=rate, kv_streamed_during_prefill=False)
+
+
+SAVE_WAIT_S = 30.0
+"""How long the saving instance's blocks may take to reach the store."""
+
+
+async def _load(session: aiohttp.ClientSession, saver: str, loader: str, model: str, n: int,
+                rng: random.Random, store: StoreView, cost: CostModel) -> tuple[int, float]:
+    """A fresh ``n``-token prompt saved by ``saver``, then loaded by ``loader``: the
+    tokens it loaded and the seconds of the load (its time less the prefill of the rest)."""
+    body = {"model": model, "prompt": [rng.randrange(1, 1000) for _ in range(n)],
+            "max_tokens": 1, "temperature": 0.0}
+    await _timed(session, saver, body)
+    want = (n - 1) // store.hashes.block_size
+    deadline = time.monotonic() + SAVE_WAIT_S
+    while await asyncio.to_thread(store.prefix_blocks, body["prompt"]) < want:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the store at {store.address} did not get the {want} "
+                               f"block(s) of a {n}-token prompt from {saver} in "
+                               f"{SAVE_WAIT_S:.0f} s (does it run our store connector, "
+                               f"kv_both, with --block-tokens {store.hashes.block_size}?)")
+        await asyncio.sleep(0.05)
+    before = await _external_hits(session, loader)
+    seconds = await _timed(session, loader, body)
+    after = await _external_hits(session, loader)
+    if before is None or after is None:
+        raise RuntimeError(f"{loader} exports no vllm:external_prefix_cache_hits_total: "
+                           f"its loads cannot be counted")
+    hit = int(after - before)
+    if hit <= 0:
+        raise RuntimeError(f"{loader} loaded none of the {want} block(s) the store holds "
+                           f"of a {n}-token prompt: it recomputed them (does it run our "
+                           f"store connector on the same master?)")
+    return hit, seconds - cost.prefill_s(n, min(hit, n))
+
+
+async def _calibrate_loads(session: aiohttp.ClientSession, saver: str, loader: str,
+                           model: str, lengths: Sequence[int], repeats: int,
+                           rng: random.Random, base: CostModel, store: StoreView,
+                           progress: Callable[[str], None]) -> CostModel:
+    """``base`` (its prefill fitted) with the load fields fitted to ``loader``'s loads
+    of prompts ``saver`` saved to the store."""
+    usable = [n for n in lengths if (n - 1) // store.hashes.block_size >= 1]
+    if len(set(usable)) < 2:
+        raise ValueError(f"a store load needs 2 distinct lengths of more than one block "
+                         f"({store.hashes.block_size} tokens): give longer --lengths")
+    first = await _load(session, saver, loader, model, min(usable), rng, store, base)
+    progress(f"store load, first contact: {first[1] * 1e3:.1f} ms (not fitted)")
+    points = []
+    for n in usable:
+        loads = [await _load(session, saver, loader, model, n, rng, store, base)
+                 for _ in range(repeats)]
+        points.append((statistics.median(h for h, _ in loads),
+                       statistics.median(s for _, s in loads)))
+        progress(f"store load {n:6d} tokens: {points[-1][0]:6.0f} loaded, "
+                 f"{points[-1][1] * 1e3:8.1f} ms")
+    c0, c1 = fit_line([h for h, _ in points], [s for _, s in points])
+    c1 = max(c1, MIN_S_PER_TOKEN)
+    rate = base.kv_bytes_per_token / c1
+    progress(f"store load: {max(c0, 0.0) * 1e3:.1f} ms + {c1 * 1e6:.2f} us/token "
+             f"({rate / 1e9:.3f} GB/s at {base.kv_bytes_per_token} B/token)")
+    return dataclasses.replace(base, transfer_latency_s=max(c0, 0.0),
+                               transfer_bytes_per_s=rate)
 
 
 def run(urls: str | Sequence[str], model: str, **kw) -> tuple[CostModel, list[tuple[int, float]]]:

@@ -230,7 +230,8 @@ def test_the_router_finds_a_prefix_an_engine_saved_in_the_store(tiny_llama, tmp_
     blocks; the router, which routed nothing yet, finds them in the store by computing
     vLLM's block hashes and the connector's key layout, and prices the next request with
     that prefix as a load from the store; the engine it chose gets the prefix without
-    computing it."""
+    computing it. Then ``calibrate --store`` times engine 1 loading prompts engine 0
+    saved."""
     from mooncake_plugins.store.client import StoreClient
 
     with _cluster(tiny_llama, tmp_path, events=False, store=store.address) as (router, urls, _):
@@ -252,6 +253,23 @@ def test_the_router_finds_a_prefix_an_engine_saved_in_the_store(tiny_llama, tmp_
                    for name in ("vllm:prefix_cache_hits_total",
                                 "vllm:external_prefix_cache_hits_total"))
         assert hits >= 6 * BLOCK, hits
+        # calibrate times engine 1 loading what engine 0 saved (it fails if it recomputed)
+        loaded = _counter(http(f"{urls[1]}/metrics"), "vllm:external_prefix_cache_hits_total")
+        out = tmp_path / "cost.json"
+        proc = subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
+                               "calibrate", "--instance", urls[0], "--instance", urls[1],
+                               "--model", tiny_llama, "--lengths", "16,300,600",
+                               "--repeats", "1", "--decode-tokens", "4", "--decode-batch", "1",
+                               "--store", store.address, "--block-tokens", str(BLOCK),
+                               "--kv-bytes-per-token", "4096", "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        from mooncake_plugins.conductor.costmodel import CostModel
+        cost = CostModel(**json.loads(out.read_text()))
+        assert cost.transfer_bytes_per_s != CostModel().transfer_bytes_per_s, proc.stdout
+        # first contact (300 tokens: 2 blocks), then 300 and 600 (4 blocks)
+        assert _counter(http(f"{urls[1]}/metrics"),
+                        "vllm:external_prefix_cache_hits_total") - loaded == 8 * BLOCK
 
 
 def test_an_overload_is_refused_before_it_reaches_an_engine(tiny_llama, tmp_path):
