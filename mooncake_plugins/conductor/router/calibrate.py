@@ -31,8 +31,9 @@ store connector (``kv_both``): a fresh prompt on the first instance, which saves
 blocks; once the store holds them (up to ``SAVE_WAIT_S``), the same prompt on the second,
 timed, which loads them. Its hit tokens are what its ``vllm:external_prefix_cache_hits_total``
 grew by (none: it recomputed, and the calibration fails saying so), the load is its time
-less the fitted prefill of the tokens it computed, and a line through the median per
-length gives ``transfer_latency_s`` and ``transfer_bytes_per_s``.
+less that of a fresh prompt of the tokens it computed, sent to it right after (a paired
+measurement: the fitted prefill, taken side by side, would not be), and a line through
+the median per length gives ``transfer_latency_s`` and ``transfer_bytes_per_s``.
 
 What the engines cannot tell from outside (how a step grows with its context, KV bytes
 per token) keeps the given values. The result is the ``CostModel`` fields as JSON, what
@@ -95,9 +96,10 @@ async def _decode_step(session: aiohttp.ClientSession, url: str, model: str,
         async for line in resp.content:
             if line.startswith(b"data: {"):
                 stamps.append(time.perf_counter())
-    if len(stamps) < 2:
-        raise RuntimeError(f"{url} streamed {len(stamps)} chunks for {tokens} tokens")
+    if not stamps:
+        raise RuntimeError(f"{url} streamed no chunk for {tokens} tokens")
     # per token, not per chunk: a server that falls behind sends several tokens in one
+    # (all in one: a pace of 0, which the callers take for the burst it is)
     return (stamps[-1] - stamps[0]) / (tokens - 1)
 
 
@@ -255,9 +257,10 @@ SAVE_WAIT_S = 30.0
 
 
 async def _load(session: aiohttp.ClientSession, saver: str, loader: str, model: str, n: int,
-                rng: random.Random, store: StoreView, cost: CostModel) -> tuple[int, float]:
+                rng: random.Random, store: StoreView) -> tuple[int, float]:
     """A fresh ``n``-token prompt saved by ``saver``, then loaded by ``loader``: the
-    tokens it loaded and the seconds of the load (its time less the prefill of the rest)."""
+    tokens it loaded and the seconds of the load (its time less that of a fresh prompt
+    of the tokens it computed, on the same engine right after)."""
     body = {"model": model, "prompt": [rng.randrange(1, 1000) for _ in range(n)],
             "max_tokens": 1, "temperature": 0.0}
     await _timed(session, saver, body)
@@ -281,24 +284,27 @@ async def _load(session: aiohttp.ClientSession, saver: str, loader: str, model: 
         raise RuntimeError(f"{loader} loaded none of the {want} block(s) the store holds "
                            f"of a {n}-token prompt: it recomputed them (does it run our "
                            f"store connector on the same master?)")
-    return hit, seconds - cost.prefill_s(n, min(hit, n))
+    # the same engine computing only the rest, a fresh prompt of that length, at once
+    rest = await _timed(session, loader, dict(body, prompt=[
+        rng.randrange(1, 1000) for _ in range(max(1, n - hit))]))
+    return hit, seconds - rest
 
 
 async def _calibrate_loads(session: aiohttp.ClientSession, saver: str, loader: str,
                            model: str, lengths: Sequence[int], repeats: int,
                            rng: random.Random, base: CostModel, store: StoreView,
                            progress: Callable[[str], None]) -> CostModel:
-    """``base`` (its prefill fitted) with the load fields fitted to ``loader``'s loads
-    of prompts ``saver`` saved to the store."""
+    """``base`` with the load fields fitted to ``loader``'s loads of prompts ``saver``
+    saved to the store."""
     usable = [n for n in lengths if (n - 1) // store.hashes.block_size >= 1]
     if len(set(usable)) < 2:
         raise ValueError(f"a store load needs 2 distinct lengths of more than one block "
                          f"({store.hashes.block_size} tokens): give longer --lengths")
-    first = await _load(session, saver, loader, model, min(usable), rng, store, base)
+    first = await _load(session, saver, loader, model, min(usable), rng, store)
     progress(f"store load, first contact: {first[1] * 1e3:.1f} ms (not fitted)")
     points = []
     for n in usable:
-        loads = [await _load(session, saver, loader, model, n, rng, store, base)
+        loads = [await _load(session, saver, loader, model, n, rng, store)
                  for _ in range(repeats)]
         points.append((statistics.median(h for h, _ in loads),
                        statistics.median(s for _, s in loads)))
