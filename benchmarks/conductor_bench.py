@@ -22,7 +22,9 @@ store) are emptied and the router restarted.
 
 Per policy: requests served and rejected, TTFT p50/p99 and TBT p50 (client side: to the
 first streamed token, then between tokens), goodput (requests that met both SLOs per
-second of the run), and the simulator's figures for the same requests with the ratio of
+second of the run), the prompt tokens the engines found in their own prefix cache and
+those they loaded through a connector (vLLM's counters) beside those the router routed to
+be loaded from the store, and the simulator's figures for the same requests with the ratio of
 its TTFT p50 to the measured one. Prints a table; writes JSON (with every request's
 measured and simulated times) to ``benchmarks/results/conductor_bench.json``. Run with
 the Python of an environment that has vLLM (``.venv-vllm/bin/python
@@ -232,6 +234,20 @@ class Cluster:
                 rpc.close()
             log(f"store emptied ({removed} objects)")
 
+    def hit_tokens(self) -> tuple[float, float]:
+        """The engines' prompt tokens found in their own prefix cache and loaded through
+        a connector, so far (vLLM's counters)."""
+        local = loaded = 0.0
+        for url in self.urls:
+            with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+                for line in resp.read().decode().splitlines():
+                    name, _, value = line.rpartition(" ")
+                    if name.startswith("vllm:prefix_cache_hits_total"):
+                        local += float(value)
+                    elif name.startswith("vllm:external_prefix_cache_hits_total"):
+                        loaded += float(value)
+        return local, loaded
+
     def stop(self) -> None:
         self.stop_router()
         for proc in self.procs:
@@ -282,6 +298,13 @@ def calibrate(model: str, instances: list[str], out: Path, store: str | None = N
     return CostModel(**json.loads(out.read_text()))
 
 
+def router_counter(router: str, name: str) -> float:
+    """A counter of the router's ``/metrics``."""
+    with urllib.request.urlopen(router + "/metrics", timeout=30) as resp:
+        return sum(float(line.rpartition(" ")[2]) for line in resp.read().decode().splitlines()
+                   if line.startswith(name))
+
+
 def summarize(results: list[dict], slo: Slo) -> dict:
     served = [r for r in results if r["status"] == 200 and "ttft" in r]
     ttfts = sorted(r["ttft"] for r in served)
@@ -302,6 +325,8 @@ def main() -> None:
     ap.add_argument("--trace", default=str(ROOT / "tests/conductor/data/"
                                                   "conversation_trace_head500.jsonl"))
     ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--skip", type=int, default=0, help="requests of the trace skipped "
+                    "before the slice (its times are taken from the slice's first)")
     ap.add_argument("--time-scale", type=float, default=0.05,
                     help="trace time multiplier (0.05: 20x faster arrivals)")
     ap.add_argument("--max-blocks", type=int, default=14)
@@ -318,13 +343,17 @@ def main() -> None:
     ap.add_argument("--store", action="store_true", help="the engines share a store (our "
                     "connector on one master), which the router and simulator know")
     ap.add_argument("--model", help="model directory (default: a tiny random Llama)")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the engines', master's "
+                    "and routers' logs (the run's temporary directory)")
     ap.add_argument("--out", default=str(HERE / "results" / "conductor_bench.json"))
     a = ap.parse_args()
     if a.store and a.pd:
         ap.error("--store runs ordinary engines: not with --pd")
     slo = Slo(a.slo_ttft, a.slo_tbt)
-    requests = scaled(load_trace(a.trace), a.requests, a.max_blocks, a.max_output,
-                      a.time_scale)
+    trace = load_trace(a.trace)
+    if not 0 <= a.skip < len(trace):
+        ap.error(f"--skip {a.skip}: the trace has {len(trace)} requests")
+    requests = scaled(trace[a.skip:], a.requests, a.max_blocks, a.max_output, a.time_scale)
     tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-"))
     model = a.model or tiny_model(tmp / "model")
     roles = ["prefill", "decode"] if a.pd else ["both"] * ENGINES
@@ -366,8 +395,13 @@ def main() -> None:
             cluster.reset_caches()
             router = cluster.start_router(name, slo, cost_file)
             log(f"replaying {len(requests)} requests with {name}")
+            hits_before = cluster.hit_tokens()
             results = asyncio.run(replay(router, model, requests))
             measured = summarize(results, slo)
+            measured["cached_tokens"], measured["loaded_tokens"] = (
+                after - before for after, before in zip(cluster.hit_tokens(), hits_before))
+            measured["routed_store_tokens"] = router_counter(
+                router, "conductor_pool_hit_tokens_total")
             cluster.stop_router()
             sim = simulate(requests, make_policy(name.partition(":")[0], cost, slo),
                            cluster_cfg, slo,
@@ -385,9 +419,13 @@ def main() -> None:
                                           if k != "per_request"))
     finally:
         cluster.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if a.keep_logs:
+            log(f"logs kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"{'policy':14} {'served':>6} {'in SLO':>6} {'rej':>4} {'TTFT p50':>9} "
-          f"{'TTFT p99':>9} {'TBT p50':>8} {'goodput':>9} | {'sim p50':>8} {'sim TBT':>8} "
+          f"{'TTFT p99':>9} {'TBT p50':>8} {'goodput':>9} {'cached':>7} {'loaded':>7} | "
+          f"{'sim p50':>8} {'sim TBT':>8} "
           f"{'in SLO':>6} {'rej':>4} {'goodput':>9} {'p50 sim/meas':>12}")
     for name, r in rows.items():
         def ms(x: float | None) -> str:
@@ -396,7 +434,8 @@ def main() -> None:
                  else "           -")
         print(f"{name:14} {r['served']:6d} {r['good']:6d} {r['rejected']:4d} "
               f"{ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>9} {ms(r['tbt_p50_s']):>8} "
-              f"{r['goodput_rps']:7.2f}/s | {ms(r['sim_ttft_p50_s']):>8} "
+              f"{r['goodput_rps']:7.2f}/s {r['cached_tokens']:7.0f} {r['loaded_tokens']:7.0f} | "
+              f"{ms(r['sim_ttft_p50_s']):>8} "
               f"{ms(r['sim_tbt_p50_s']):>8} {r['sim_good']:6d} {r['sim_rejected']:4d} "
               f"{r['sim_goodput_rps']:7.2f}/s {ratio}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

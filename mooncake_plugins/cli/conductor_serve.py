@@ -101,6 +101,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--retries", type=int, default=2,
                        help="other instances tried when one cannot be reached")
     serve.add_argument("--health-interval", type=float, default=2.0)
+    serve.add_argument("--health-timeout", type=float, default=2.0,
+                       help="an instance whose /health times out 3 times in a row is taken "
+                       "out (one that refuses or fails, at once)")
     serve.add_argument("--kv-events-timeout", type=float, default=30.0,
                        help="forget an instance's cache when its KV events stop this long "
                             "while it serves")
@@ -235,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         router = Router(RouterConfig(policy, slo, cost, args.block_tokens,
                                      args.decode_max_batch, args.retries, args.health_interval,
+                                     health_timeout_s=args.health_timeout,
                                      kv_events_timeout_s=args.kv_events_timeout, store=store,
                                      correct_ttft=not args.no_ttft_correction,
                                      slo_quantile=args.slo_quantile),

@@ -39,6 +39,7 @@ class OpenAIDouble:
         self.step_per_stream_s, self.streaming = step_per_stream_s, 0   # a batch's cost
         self.saves, self.store_hits, self.store_load_s = saves, store_hits, store_load_s
         self.loaded_tokens = 0
+        self.health_delay_s = 0.0
         self.seen: list[dict[str, Any]] = []
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -81,6 +82,7 @@ class OpenAIDouble:
         return out
 
     async def health(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_delay_s)   # a busy API server answers late
         return web.Response(text="ok")
 
     async def models(self, request: web.Request) -> web.Response:

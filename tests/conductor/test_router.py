@@ -128,6 +128,43 @@ def test_an_unreachable_instance_is_taken_out_and_the_request_served_elsewhere()
     run(main())
 
 
+def test_an_instance_slow_to_answer_its_health_check_stays_until_three_time_out():
+    """A busy engine's /health may answer late: one or two checks timing out keep it in,
+    three in a row take it out, and one answered brings it back."""
+    async def main() -> None:
+        busy = OpenAIDouble("busy")
+        async with AsyncExitStack() as stack:
+            url = await serve(stack, busy)
+            r = router("round_robin", [(url, "both")], health_timeout_s=0.1)
+            client = await stack.enter_async_context(TestClient(TestServer(r.app())))
+
+            async def healthy() -> bool:
+                return (await (await client.get("/instances")).json())[0]["healthy"]
+
+            async def until(check) -> None:
+                for _ in range(200):
+                    if check():
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError("not within 2 s")
+
+            inst = r.pool.get(url)
+            busy.health_delay_s = 0.3      # each check times out after 0.1 s
+            await until(lambda: inst.slow_checks == 2)
+            assert await healthy()         # two in a row: still in
+            busy.health_delay_s = 0.0      # answered: the count starts over
+            await until(lambda: inst.slow_checks == 0)
+            busy.health_delay_s = 0.3
+            await until(lambda: not inst.healthy)
+            assert inst.slow_checks == 3
+            assert (await client.post("/v1/completions", json=complete("x"))).status == 503
+            busy.health_delay_s = 0.0
+            await until(lambda: inst.healthy)
+            assert (await client.post("/v1/completions", json=complete("x"))).status == 200
+
+    run(main())
+
+
 def test_an_instance_dying_mid_stream_ends_the_stream_with_an_error():
     async def main() -> None:
         dying = OpenAIDouble("d", die_mid_stream=True)

@@ -52,6 +52,7 @@ class Instance:
     healthy: bool = True
     draining: bool = False
     failures: int = 0
+    slow_checks: int = 0   # health checks in a row that timed out
     flights: dict[int, _Flight] = field(default_factory=dict)
     decoding: dict[int, int] = field(default_factory=dict)   # request -> context tokens
     decode_ends: dict[int, float] = field(default_factory=dict)   # request -> last token at

@@ -59,6 +59,11 @@ class RouterConfig:
     decode_max_batch: int = 256
     retries: int = 2
     health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    slow_checks_to_take_out: int = 3
+    """Health checks in a row that time out before an instance is taken out (a busy
+    engine's API server can be slow to answer; one that refuses, or answers other than
+    200, is taken out at once)."""
     request_timeout_s: float = 600.0
     kv_events_timeout_s: float = 30.0
     """An instance routed to but silent on its KV events this long is forgotten (its
@@ -430,23 +435,32 @@ class Router:
                 index.forget()
 
     async def _check_health(self) -> None:
-        """Ask every instance's /health now and then: one that answers comes back; age
-        out the view of instances whose KV events stopped."""
-        timeout = aiohttp.ClientTimeout(total=2)
+        """Ask every instance's /health now and then, all at once: one that answers
+        comes back; age out the view of instances whose KV events stopped."""
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             self._age_out()
-            for inst in self.pool:
-                try:
-                    async with self._http().get(inst.url + "/health", timeout=timeout) as r:
-                        ok = r.status == 200
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    ok = False
-                if ok and not inst.healthy:
-                    log.info("instance %s is back", inst.url)
-                    inst.healthy = True
-                elif not ok:
-                    self.take_out(inst, "health check failed")
+            await asyncio.gather(*(self._check(inst) for inst in list(self.pool)))
+
+    async def _check(self, inst: Instance) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        try:
+            async with self._http().get(inst.url + "/health", timeout=timeout) as r:
+                why = None if r.status == 200 else f"health check answered {r.status}"
+        except asyncio.TimeoutError:
+            inst.slow_checks += 1
+            if inst.slow_checks >= self.config.slow_checks_to_take_out:
+                self.take_out(inst, f"{inst.slow_checks} health checks in a row timed out "
+                                    f"({self.config.health_timeout_s:g} s)")
+            return
+        except aiohttp.ClientError as exc:
+            why = f"health check failed: {exc!r}"
+        inst.slow_checks = 0
+        if why is not None:
+            self.take_out(inst, why)
+        elif not inst.healthy:
+            log.info("instance %s is back", inst.url)
+            inst.healthy = True
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
