@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
@@ -64,6 +65,27 @@ def test_the_blocks_every_rank_holds_are_counted(master) -> None:
     rpc.call("exist", keys=[f"{BASE}/tp1of2/{hexes[0]}"])    # a real reader's lease
     assert rpc.call("remove", keys=[f"{BASE}/tp1of2/{hexes[0]}"], force=False)[0][0] == \
         ObjectHasLease.code
+
+
+def test_a_view_started_beside_an_empty_store_learns_the_layout_soon(master) -> None:
+    """A router starts before any engine saved a block: the first look finds no layout,
+    and the blocks saved after it count within a second, not ``rediscover_s`` (30 s)
+    later; once a layout is known, a prompt the store does not hold triggers no scan for
+    ``rediscover_s``."""
+    server, rpc = master
+    view = StoreView(f"127.0.0.1:{server.port}", VllmBlockHashes(BLOCK))
+    try:
+        prompt = tokens(11, 4)
+        assert view.prefix_blocks(prompt) == 0 and not view.layouts
+        put(rpc, [f"{BASE}/tp0of1/{h.hex()}" for h in VllmBlockHashes(BLOCK).of(prompt)])
+        assert wait_until(lambda: view.prefix_blocks(prompt) == 4, 2.0, 0.05)
+        other = tokens(12, 4)
+        assert view.prefix_blocks(other) == 0
+        put(rpc, [f"vllm/other-1/x/tp0of1/{h.hex()}" for h in VllmBlockHashes(BLOCK).of(other)])
+        time.sleep(1.0)
+        assert view.prefix_blocks(other) == 0   # another layout: not looked for yet
+    finally:
+        view.close()
 
 
 def test_vllm_in_tree_connector_keys_are_recognised(master) -> None:

@@ -14,7 +14,8 @@ Two key layouts are recognised, both ending in vLLM's block hash:
 The router computes the prompt's vLLM block hashes (:mod:`.vllm_hashes`), and the first
 time a prompt's first block is in the store it learns the layouts from the master
 (``keys_with_suffix``, a scan the master answers without taking leases, repeated at most
-every ``rediscover_s`` while no known layout holds a prompt's first block); after that
+every ``rediscover_s`` while no known layout holds a prompt's first block, and sooner
+while no layout is known at all: :data:`FIRST_REDISCOVERY_S`, doubling); after that
 one ``peek`` per request for every layout at once (no lease either: a router's look must
 not keep blocks from eviction) says which blocks every rank has, and a vLLM layout's TP
 size is checked by peeking the next rank's key of a held first block (no scan). A
@@ -46,6 +47,12 @@ log = logging.getLogger(__name__)
 _PP_RANK = re.compile(r"@pp_rank:\d+")
 _VLLM_KEY = re.compile(r"^(?P<pre>.+)@tp_rank:(?P<rank>\d+)"
                        r"(?P<post>@pcp\d+@dcp\d+@pp_rank:\d+@group:\d+)@(?P<hash>[0-9a-f]+)$")
+
+
+FIRST_REDISCOVERY_S = 0.5
+"""While no layout is known, the first wait before looking again (it doubles each time,
+up to ``rediscover_s``): a router started beside an empty store learns the layout from
+the first blocks saved, not ``rediscover_s`` later."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,7 @@ class StoreView:
             self._rpc = RpcClient(*split_address(master), timeout_s)
         self._next_lookup = 0.0
         self._rediscover_s = rediscover_s
+        self._unknown_wait_s = min(FIRST_REDISCOVERY_S, rediscover_s)
         self._next_discovery = 0.0
         self._next_warning = 0.0
 
@@ -150,8 +158,13 @@ class StoreView:
             # a vLLM layout's TP size is a lower bound: the next rank is probed too
             unsure = any(layout.kind == "vllm" for layout in self.layouts)
             if (best == 0 or unsure) and time.monotonic() >= self._next_discovery:
-                self._next_discovery = time.monotonic() + self._rediscover_s
+                # while no layout is known (a new or emptied store) look again soon,
+                # then less and less often; once one is, every rediscover_s
+                wait = self._rediscover_s if self.layouts else self._unknown_wait_s
+                self._unknown_wait_s = min(2 * self._unknown_wait_s, self._rediscover_s)
+                self._next_discovery = time.monotonic() + wait
                 if self._discover(hexes[0]) if best == 0 else self._grow(hexes[0]):
+                    self._next_discovery = time.monotonic() + self._rediscover_s
                     best = self._best(hexes)
             return best
         except MooncakeError as exc:
