@@ -887,14 +887,15 @@ class MasterService:
             return out
 
     def keys_with_suffix(self, suffix: str, limit: int) -> list[str]:
-        """Up to ``limit`` keys of complete objects ending with ``suffix`` (no lease): how
-        a router finds the key layout its engines store a block hash under.
+        """Up to ``limit`` keys of complete objects ending with ``suffix`` (any keys for
+        ``""``; no lease): how a router finds the key layout its engines store a block
+        hash under.
 
         A scan of every key, done on a copy of the key list so that the lock is held
         only to copy it and to check the matches (with 300k objects: the scan takes
         about 130 ms, which other calls waited out while it held the lock)."""
-        if not suffix or not 1 <= limit <= MAX_LISTED_KEYS:
-            raise InvalidParams(f"suffix must be non-empty and limit in 1..{MAX_LISTED_KEYS}")
+        if not 1 <= limit <= MAX_LISTED_KEYS:
+            raise InvalidParams(f"limit must be in 1..{MAX_LISTED_KEYS}")
         with self._lock:
             keys = list(self._objects)
         matches = [key for key in keys if key.endswith(suffix)]

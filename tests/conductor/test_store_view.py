@@ -68,17 +68,20 @@ def test_the_blocks_every_rank_holds_are_counted(master) -> None:
 
 
 def test_a_view_started_beside_an_empty_store_learns_the_layout_soon(master) -> None:
-    """A router starts before any engine saved a block: the first look finds no layout,
-    and the blocks saved after it count within a second, not ``rediscover_s`` (30 s)
-    later; once a layout is known, a prompt the store does not hold triggers no scan for
-    ``rediscover_s``."""
+    """A router starts before any engine saved a block: the first look finds no layout;
+    the layout is learned within a second of the first blocks saved, though they are of
+    another prompt (not ``rediscover_s``, 30 s, later), and the prompt's own blocks count
+    as soon as they are saved; once a layout is known, a prompt the store does not hold
+    triggers no scan for ``rediscover_s``."""
     server, rpc = master
     view = StoreView(f"127.0.0.1:{server.port}", VllmBlockHashes(BLOCK))
     try:
-        prompt = tokens(11, 4)
+        prompt, first = tokens(11, 4), tokens(13, 4)
         assert view.prefix_blocks(prompt) == 0 and not view.layouts
+        put(rpc, [f"{BASE}/tp0of1/{h.hex()}" for h in VllmBlockHashes(BLOCK).of(first)])
+        assert wait_until(lambda: view.prefix_blocks(prompt) == 0 and view.layouts, 2.0, 0.05)
         put(rpc, [f"{BASE}/tp0of1/{h.hex()}" for h in VllmBlockHashes(BLOCK).of(prompt)])
-        assert wait_until(lambda: view.prefix_blocks(prompt) == 4, 2.0, 0.05)
+        assert view.prefix_blocks(prompt) == 4
         other = tokens(12, 4)
         assert view.prefix_blocks(other) == 0
         put(rpc, [f"vllm/other-1/x/tp0of1/{h.hex()}" for h in VllmBlockHashes(BLOCK).of(other)])

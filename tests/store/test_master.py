@@ -250,7 +250,8 @@ def test_keys_with_suffix_and_peek_take_no_lease(clock):
                                                         "vllm/m/L/tp1of2/ab12"]
     assert len(m.keys_with_suffix("/ab12", 1)) == 1
     assert m.keys_with_suffix("/ef56", 10) == []
-    for suffix, limit in (("", 1), ("/ab12", 0), ("/ab12", 1001)):
+    assert len(m.keys_with_suffix("", 2)) == 2 and len(m.keys_with_suffix("", 10)) == 3
+    for suffix, limit in (("/ab12", 0), ("/ab12", 1001)):
         with pytest.raises(InvalidParams):
             m.keys_with_suffix(suffix, limit)
     # looking (a router's probe) leaves no lease: the object can be removed at once

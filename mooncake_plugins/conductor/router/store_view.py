@@ -15,7 +15,8 @@ The router computes the prompt's vLLM block hashes (:mod:`.vllm_hashes`), and th
 time a prompt's first block is in the store it learns the layouts from the master
 (``keys_with_suffix``, a scan the master answers without taking leases, repeated at most
 every ``rediscover_s`` while no known layout holds a prompt's first block, and sooner
-while no layout is known at all: :data:`FIRST_REDISCOVERY_S`, doubling); after that
+while no layout is known at all, from any keys too: :data:`FIRST_REDISCOVERY_S`,
+doubling); after that
 one ``peek`` per request for every layout at once (no lease either: a router's look must
 not keep blocks from eviction) says which blocks every rank has, and a vLLM layout's TP
 size is checked by peeking the next rank's key of a held first block (no scan). A
@@ -49,10 +50,11 @@ _VLLM_KEY = re.compile(r"^(?P<pre>.+)@tp_rank:(?P<rank>\d+)"
                        r"(?P<post>@pcp\d+@dcp\d+@pp_rank:\d+@group:\d+)@(?P<hash>[0-9a-f]+)$")
 
 
-FIRST_REDISCOVERY_S = 0.5
+FIRST_REDISCOVERY_S = 0.1
 """While no layout is known, the first wait before looking again (it doubles each time,
-up to ``rediscover_s``): a router started beside an empty store learns the layout from
-the first blocks saved, not ``rediscover_s`` later."""
+up to ``rediscover_s``), at any keys the store lists too: a router started beside an
+empty store learns the layout from the first blocks saved, whatever prompt they are of,
+not ``rediscover_s`` later."""
 
 
 @dataclass(frozen=True)
@@ -211,13 +213,17 @@ class StoreView:
 
     def _discover(self, first_hex: str) -> bool:
         """Learn the layouts that hold the block ``first_hex`` (a vLLM layout's size
-        grows to the highest rank seen); whether any is new or grew."""
+        grows to the highest rank seen), or while none is known and none does, those of
+        any keys the store lists; whether any is new or grew."""
         found: dict[tuple[str, str, str], Layout] = {}   # the largest seen per family
-        for key in self._master().call("keys_with_suffix", suffix=first_hex, limit=256):
-            seen = Layout.of(key) if isinstance(key, str) else None
-            if seen is not None and (seen[0].family not in found
-                                     or found[seen[0].family].size < seen[0].size):
-                found[seen[0].family] = seen[0]
+        for suffix in [first_hex] + ([] if self.layouts else [""]):
+            for key in self._master().call("keys_with_suffix", suffix=suffix, limit=256):
+                seen = Layout.of(key) if isinstance(key, str) else None
+                if seen is not None and (seen[0].family not in found
+                                         or found[seen[0].family].size < seen[0].size):
+                    found[seen[0].family] = seen[0]
+            if found:
+                break
         changed = False
         for layout in found.values():
             if layout in self.layouts:
