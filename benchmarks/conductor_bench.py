@@ -403,7 +403,9 @@ def main() -> None:
             measured["routed_store_tokens"] = router_counter(
                 router, "conductor_pool_hit_tokens_total")
             cluster.stop_router()
-            sim = simulate(requests, make_policy(name.partition(":")[0], cost, slo),
+            # as the router: KV moves between engines only through the store
+            sim = simulate(requests, make_policy(name.partition(":")[0], cost, slo,
+                                                 migrate=False),
                            cluster_cfg, slo,
                            keep_outcomes=True)
             rows[name] = {**measured, "sim_ttft_p50_s": sim.ttft.p50, "sim_served": sim.served,

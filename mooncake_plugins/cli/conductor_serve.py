@@ -225,7 +225,9 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.cost_model) as f:
                 cost = CostModel(**json.load(f))
         slo = Slo(args.slo_ttft, args.slo_tbt)
-        policy = make_policy(args.policy, cost, slo, early_reject=not args.no_early_reject)
+        # engines pass KV to each other only through the store (priced as loads from it)
+        policy = make_policy(args.policy, cost, slo, early_reject=not args.no_early_reject,
+                             migrate=False)
         pool = Pool(args.cache_blocks)
         for url, role, events in instances:
             pool.add(url, role, events)

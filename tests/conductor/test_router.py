@@ -33,7 +33,8 @@ def router(policy: str, instances: list[tuple[str, str]], slo: Slo = Slo(30, 1),
     pool = Pool()
     for url, role in instances:
         pool.add(url, role)
-    return Router(RouterConfig(make_policy(policy, cost, slo), slo, cost, block_tokens=16,
+    return Router(RouterConfig(make_policy(policy, cost, slo, migrate=False), slo, cost,
+                               block_tokens=16,
                                health_interval_s=0.2, **kw), Hasher(16), pool)
 
 
@@ -525,3 +526,29 @@ def test_a_stream_that_came_in_one_burst_teaches_no_decode_pace():
     assert inst.tbt.samples == 0 and inst.tbt.ratio == 1.0
     r.decoded(inst, 15, 15 * 0.01)
     assert inst.tbt.samples == 1 and inst.tbt.ratio > 1.0
+
+
+def test_the_live_conductor_pulls_only_from_the_store():
+    """Engines pass KV to each other only through the store: a prefix held by a busy
+    peer is never priced as a pull from that peer (the engine would recompute it), and
+    a conductor that would do so is refused."""
+    from mooncake_plugins.conductor.policies import Decision
+
+    cost = CostModel(prefill_fixed_s=0.0, prefill_s_per_token=1e-3, prefill_s_per_token_sq=0.0,
+                     transfer_latency_s=0.0)
+    r = router("conductor", [("http://a", "both"), ("http://b", "both")], cost=cost,
+               correct_ttft=False)
+    prompt = {"model": "m", "prompt": list(range(1024)), "max_tokens": 2}
+    req = r.hasher.request("/v1/completions", prompt)
+    a = r.pool.get("http://a")
+    a.learn(req.hash_ids, r.pool.now(), r.pool.cache_blocks)   # a holds the prefix...
+    busy = r.hasher.request("/v1/completions", dict(prompt, prompt=[5] * 2048))
+    _, view = r.decide(busy)
+    r.admit(1, busy, Decision(0, 0, None, 0, 2.048, 0.0), view)   # ...and is busy 2 s
+    decision, _ = r.decide(req)
+    # b recomputes (1 s): pulling a's blocks (0.02 s) is no option without the store
+    assert decision.pull_from is None and decision.prefill == 1, decision
+    assert decision.predicted_ttft_s == pytest.approx(1.024, abs=0.01)
+    with pytest.raises(ValueError, match="migrate=False"):
+        Router(RouterConfig(make_policy("conductor", cost, Slo(30, 1)), Slo(30, 1), cost),
+               Hasher(16), Pool())

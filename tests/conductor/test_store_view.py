@@ -241,7 +241,7 @@ def test_the_router_prices_a_prefix_the_store_holds_as_a_load(master) -> None:
             pool.add(str(engine.make_url("")).rstrip("/"))
             store = StoreView(f"127.0.0.1:{server.port}", VllmBlockHashes(BLOCK)) \
                 if with_store else None
-            router = Router(RouterConfig(make_policy("conductor", cost, Slo(30, 1)),
+            router = Router(RouterConfig(make_policy("conductor", cost, Slo(30, 1), migrate=False),
                                          Slo(30, 1), cost, block_tokens=BLOCK, store=store),
                             Hasher(BLOCK), pool)
             client = await stack.enter_async_context(TestClient(TestServer(router.app())))

@@ -129,6 +129,10 @@ class Router:
         self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)   # measured / estimated
         if config.slo_quantile is not None and not 0 < config.slo_quantile < 1:
             raise ValueError(f"the SLO quantile must be in (0, 1), got {config.slo_quantile}")
+        if isinstance(config.policy, ConductorPolicy) and config.policy.migrate:
+            raise ValueError("the live router has no path for KV between engines but the "
+                             "store (which it prices as such): make the conductor policy "
+                             "with migrate=False")
 
     # -- decisions -----------------------------------------------------------------------
     def decide(self, req: RoutedRequest, pool_blocks: int = 0) -> tuple[Decision, LiveView]:
