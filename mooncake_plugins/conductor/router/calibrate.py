@@ -246,7 +246,7 @@ async def _calibrate_handoff(session: aiohttp.ClientSession, prefill: str, decod
     c0, c1 = fit_line(list(lengths), medians)
     c1 = max(c1, MIN_S_PER_TOKEN)
     rate = base.kv_bytes_per_token / c1
-    progress(f"KV transfer: {max(c0, 0.0) * 1e3:.1f} ms + {c1 * 1e6:.2f} us/token "
+    progress(f"P/D handoff: {max(c0, 0.0) * 1e3:.1f} ms + {c1 * 1e6:.2f} us/token "
              f"({rate / 1e9:.3f} GB/s at {base.kv_bytes_per_token} B/token)")
     return dataclasses.replace(base, handoff_latency_s=max(c0, 0.0),
                                handoff_bytes_per_s=rate, kv_streamed_during_prefill=False)
