@@ -35,7 +35,7 @@ def router(policy: str, instances: list[tuple[str, str]], slo: Slo = Slo(30, 1),
         pool.add(url, role)
     return Router(RouterConfig(make_policy(policy, cost, slo, migrate=False), slo, cost,
                                block_tokens=16,
-                               health_interval_s=0.2, **kw), Hasher(16), pool)
+                               **{"health_interval_s": 0.2, **kw}), Hasher(16), pool)
 
 
 async def serve(stack: AsyncExitStack, double: OpenAIDouble) -> str:
@@ -162,6 +162,10 @@ def test_an_instance_slow_to_answer_its_health_check_stays_until_three_time_out(
             busy.health_delay_s = 0.0
             await until(lambda: inst.healthy)
             assert (await client.post("/v1/completions", json=complete("x"))).status == 200
+        for bad in ({"health_timeout_s": 0.0}, {"health_interval_s": -1.0},
+                    {"slow_checks_to_take_out": 0}):
+            with pytest.raises(ValueError, match="health checks"):
+                router("round_robin", [(url, "both")], **bad)
 
     run(main())
 

@@ -129,6 +129,12 @@ class Router:
         self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)   # measured / estimated
         if config.slo_quantile is not None and not 0 < config.slo_quantile < 1:
             raise ValueError(f"the SLO quantile must be in (0, 1), got {config.slo_quantile}")
+        if not (config.health_interval_s > 0 and config.health_timeout_s > 0
+                and config.slow_checks_to_take_out >= 1):
+            raise ValueError(f"health checks need a positive interval and timeout and at "
+                             f"least one timeout to take an instance out, got "
+                             f"{config.health_interval_s}, {config.health_timeout_s}, "
+                             f"{config.slow_checks_to_take_out}")
         if isinstance(config.policy, ConductorPolicy) and config.policy.migrate:
             raise ValueError("the live router has no path for KV between engines but the "
                              "store (which it prices as such): make the conductor policy "
