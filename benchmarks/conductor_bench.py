@@ -139,15 +139,15 @@ class Cluster:
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.router: subprocess.Popen | None = None
-        self.store: str | None = f"127.0.0.1:{free_port()}" if store else None
+        self.store_port = free_port() if store else 0
+        self.store: str | None = f"127.0.0.1:{self.store_port}" if store else None
 
     def start_store(self) -> None:
         """The master the engines' store connector uses (with ``store``)."""
         if self.store:
-            port = int(self.store.rpartition(":")[2])
             with open(self.tmp / "master.log", "wb") as f:
                 self.procs.append(subprocess.Popen(
-                    [self.python, "-m", "mooncake_plugins.cli.master", "--rpc_port", str(port),
+                    [self.python, "-m", "mooncake_plugins.cli.master", "--rpc_port", str(self.store_port),
                      "--metrics_port", "0", "--enable_metric_reporting", "false"],
                     stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
             deadline = time.monotonic() + 30
@@ -158,8 +158,7 @@ class Cluster:
 
     def _store_up(self) -> bool:
         try:
-            socket.create_connection(("127.0.0.1", int(self.store.rpartition(":")[2])),
-                                     timeout=1).close()
+            socket.create_connection(("127.0.0.1", self.store_port), timeout=1).close()
             return True
         except OSError:
             return False
@@ -237,16 +236,9 @@ class Cluster:
     def hit_tokens(self) -> tuple[float, float]:
         """The engines' prompt tokens found in their own prefix cache and loaded through
         a connector, so far (vLLM's counters)."""
-        local = loaded = 0.0
-        for url in self.urls:
-            with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-                for line in resp.read().decode().splitlines():
-                    name, _, value = line.rpartition(" ")
-                    if name.startswith("vllm:prefix_cache_hits_total"):
-                        local += float(value)
-                    elif name.startswith("vllm:external_prefix_cache_hits_total"):
-                        loaded += float(value)
-        return local, loaded
+        return tuple(sum(counter(url, name) for url in self.urls)   # type: ignore[return-value]
+                     for name in ("vllm:prefix_cache_hits_total",
+                                  "vllm:external_prefix_cache_hits_total"))
 
     def stop(self) -> None:
         self.stop_router()
@@ -298,9 +290,9 @@ def calibrate(model: str, instances: list[str], out: Path, store: str | None = N
     return CostModel(**json.loads(out.read_text()))
 
 
-def router_counter(router: str, name: str) -> float:
-    """A counter of the router's ``/metrics``."""
-    with urllib.request.urlopen(router + "/metrics", timeout=30) as resp:
+def counter(url: str, name: str) -> float:
+    """A counter of the server's ``/metrics`` at ``url`` (summed over its labels)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         return sum(float(line.rpartition(" ")[2]) for line in resp.read().decode().splitlines()
                    if line.startswith(name))
 
@@ -400,7 +392,7 @@ def main() -> None:
             measured = summarize(results, slo)
             measured["cached_tokens"], measured["loaded_tokens"] = (
                 after - before for after, before in zip(cluster.hit_tokens(), hits_before))
-            measured["routed_store_tokens"] = router_counter(
+            measured["routed_store_tokens"] = counter(
                 router, "conductor_pool_hit_tokens_total")
             cluster.stop_router()
             # as the router: KV moves between engines only through the store

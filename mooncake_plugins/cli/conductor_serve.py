@@ -157,9 +157,6 @@ def _calibrate(args: argparse.Namespace) -> None:
         decodes = [url for url, role, _ in args.instance if role == "decode"]
         if not prefills:
             raise ValueError("no instance to prefill on: give one that is not @decode")
-        if args.store and len(prefills) < 2:
-            raise ValueError("--store: a load is timed between two instances (one saves, "
-                             "the other loads): give two that are not @decode")
         pair = None
         if decodes:
             pair = next(((url, decodes[0]) for url, role, _ in args.instance

@@ -171,6 +171,9 @@ async def calibrate(urls: str | Sequence[str], model: str,
     save and load). Prompts are drawn fresh each call (``seed`` None): a second
     calibration of the same engine must not hit its prefix cache."""
     urls = [url.rstrip("/") for url in ([urls] if isinstance(urls, str) else urls)]
+    if store is not None and len(urls) < 2:
+        raise ValueError("--store: a load is timed between two instances (one saves, the "
+                         "other loads): give two that are not @decode")
     rng = random.Random(random.SystemRandom().randrange(1 << 62) if seed is None else seed)
     measured: list[tuple[int, float]] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -200,9 +203,6 @@ async def calibrate(urls: str | Sequence[str], model: str,
                                    decode_fixed_s=max(step - per_request, 0.0),
                                    decode_s_per_request=per_request)
         if store is not None:
-            if len(urls) < 2:
-                raise ValueError("a store load is timed between two instances: give two "
-                                 "that prefill")
             base = await _calibrate_loads(session, urls[0], urls[1], model, lengths,
                                           repeats, rng, base, store, progress)
     return base, measured
