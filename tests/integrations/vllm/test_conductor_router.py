@@ -1,7 +1,7 @@
 """The Conductor's router in front of two real vLLM OpenAI servers (CPU, tiny Llama):
 requests sharing a long prefix go to the engine that holds it (vLLM's own prefix-cache
-counters confirm the hits), and an engine killed -9 is taken out while its requests are
-served by the other."""
+counters confirm the hits) and reach their first token sooner than under round robin;
+an engine killed -9 is taken out while its requests are served by the other."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -70,27 +72,33 @@ def _cluster(model: str, tmp_path, events: bool, store: str | None = None,
         for i, (proc, url) in enumerate(zip(procs, urls)):
             wait_until(lambda: proc.poll() is not None or http_up(f"{url}/health"), START_S, 0.5)
             assert proc.poll() is None, (tmp_path / f"engine{i}.out").read_text()[-4000:]
-        router = f"http://127.0.0.1:{ports[2]}"
-        instances = [a for u, e in zip(urls, endpoints)
-                     for a in ("--instance", f"{u},events={e}" if events else u)]
-        with open(tmp_path / "router.out", "wb") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "mooncake_plugins.cli.conductor_serve", "serve",
-                 *instances, "--block-tokens", str(BLOCK),
-                 *(["--policy", "conductor", "--store", store] if store
-                   else router_args or ["--policy", "cache_aware"]),
-                 "--decode-max-batch", "4", "--health-interval", "0.5",
-                 "--port", str(ports[2])],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}))
-        assert wait_until(lambda: http_up(f"{router}/health"), 60, 0.2), \
-            (tmp_path / "router.out").read_text()
+        instances = [f"{u},events={e}" if events else u for u, e in zip(urls, endpoints)]
+        router = _start_router(instances, ["--policy", "conductor", "--store", store]
+                               if store else router_args or ["--policy", "cache_aware"],
+                               ports[2], tmp_path / "router.out", procs)
         yield router, urls, procs
     finally:
         for proc in procs:
             terminate_group(proc, timeout_s=30)
         for rpc in rpcs:
             shutil.rmtree(rpc, ignore_errors=True)
+
+
+def _start_router(instances: list[str], args: list[str], port: int, log: Path,
+                  procs: list[subprocess.Popen]) -> str:
+    """Start a router over ``instances`` with ``args`` on ``port``, logging to ``log``;
+    its process is appended to ``procs`` (which the caller stops). Its URL, once up."""
+    with open(log, "wb") as out:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "mooncake_plugins.cli.conductor_serve", "serve",
+             *(a for i in instances for a in ("--instance", i)), "--block-tokens", str(BLOCK),
+             *args, "--decode-max-batch", "4", "--health-interval", "0.5",
+             "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}))
+    router = f"http://127.0.0.1:{port}"
+    assert wait_until(lambda: http_up(f"{router}/health"), 60, 0.2), log.read_text()
+    return router
 
 
 @pytest.fixture
@@ -151,6 +159,56 @@ def test_shared_prefixes_meet_their_cache_and_a_killed_engine_is_routed_around(c
     state = {i["url"]: i for i in http(f"{router}/instances")}
     assert state[urls[owner]]["healthy"] is False
     assert _counter(http(f"{urls[1 - owner]}/metrics"), "vllm:request_success_total") == 3
+
+
+def _first_token_s(router: str, model: str, prompt: list[int]) -> float:
+    """Seconds from sending a streamed completion to its first token, as a client sees it."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2,
+                       "temperature": 0.0, "stream": True}).encode()
+    req = urllib.request.Request(f"{router}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            if line.startswith(b"data: {"):
+                first_s = time.perf_counter() - start
+                resp.read()
+                return first_s
+    raise AssertionError("the stream ended without a token")
+
+
+def test_shared_prefixes_reach_their_first_token_sooner_than_round_robin(cluster, tiny_llama,
+                                                                         tmp_path):
+    """Seven 13-block prefixes, two requests each (p0..p6, then p0..p6 again), sent one
+    at a time through three routers over the same two engines, each router with prefixes
+    of its own: round robin sends every second request to the engine that has not
+    computed its prefix (14 full prefills), cache_aware and conductor send it where the
+    prefix is (7). The engines' prefix-cache hits show it, and the time to first token
+    summed over the fourteen requests is lower than round robin's."""
+    router, urls, procs = cluster
+    routers = {"cache_aware": router, **{
+        name: _start_router(urls, ["--policy", name], free_port(), tmp_path / f"{name}.out",
+                            procs) for name in ("round_robin", "conductor")}}
+    prefix_tokens, n_prefixes = 13 * BLOCK, 7
+    for i, url in enumerate(urls):      # each engine's first long prompt, outside the timing
+        _ask(url, tiny_llama, prompt_tokens(prefix_tokens + 40, 900 + i))
+
+    def hits() -> float:
+        return sum(_counter(http(f"{u}/metrics"), "vllm:prefix_cache_hits_total") for u in urls)
+
+    ttft, hit_tokens = {}, {}
+    for p, (name, url) in enumerate(routers.items()):
+        prefixes = [prompt_tokens(prefix_tokens, 100 + 10 * p + k) for k in range(n_prefixes)]
+        before = hits()
+        ttft[name] = [_first_token_s(url, tiny_llama, prefixes[n % n_prefixes]
+                                     + prompt_tokens(40, n)) for n in range(2 * n_prefixes)]
+        hit_tokens[name] = hits() - before
+    report = {name: (round(sum(t), 3), hit_tokens[name]) for name, t in ttft.items()}
+    assert hit_tokens["round_robin"] == 0, report
+    assert hit_tokens["cache_aware"] == hit_tokens["conductor"] == n_prefixes * prefix_tokens, \
+        report
+    for name in ("cache_aware", "conductor"):
+        assert sum(ttft[name]) < sum(ttft["round_robin"]), report
 
 
 def _cached(router: str, url: str) -> int:
