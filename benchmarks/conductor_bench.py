@@ -25,7 +25,10 @@ first streamed token, then between tokens), goodput (requests that met both SLOs
 second of the run), the prompt tokens the engines found in their own prefix cache and
 those they loaded through a connector (vLLM's counters) beside those the router routed to
 be loaded from the store, and the simulator's figures for the same requests with the ratio of
-its TTFT p50 to the measured one. Prints a table; writes JSON (with every request's
+its TTFT p50 to the measured one. With ``--rounds N`` every policy is replayed N times,
+policies in turn each round, and the measured figures are medians over the rounds (each
+round's are kept in the JSON; the per-request times are the first round's). Prints a
+table; writes JSON (with every request's
 measured and simulated times) to ``benchmarks/results/conductor_bench.json``. Run with
 the Python of an environment that has vLLM (``.venv-vllm/bin/python
 benchmarks/conductor_bench.py``).
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -334,6 +338,10 @@ def main() -> None:
                     "(our P/D connector) instead of two ordinary engines")
     ap.add_argument("--store", action="store_true", help="the engines share a store (our "
                     "connector on one master), which the router and simulator know")
+    ap.add_argument("--rounds", type=int, default=1, help="replay every policy this many "
+                    "times, policies in turn each round (noise on a small machine moves one "
+                    "policy more between minutes than policies differ); the table shows "
+                    "the median of each measured figure")
     ap.add_argument("--model", help="model directory (default: a tiny random Llama)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the engines', master's "
                     "and routers' logs (the run's temporary directory)")
@@ -341,6 +349,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.store and a.pd:
         ap.error("--store runs ordinary engines: not with --pd")
+    if a.rounds < 1:
+        ap.error(f"--rounds {a.rounds}: at least one")
     slo = Slo(a.slo_ttft, a.slo_tbt)
     trace = load_trace(a.trace)
     if not 0 <= a.skip < len(trace):
@@ -383,10 +393,11 @@ def main() -> None:
                                     pool_tokens=len(prefills) * STORE_SEGMENT
                                     // KV_BYTES_PER_TOKEN if a.store else 0,
                                     colocated=not a.pd, shared_slowdown=slowdown)
-        for name in a.policies.split(","):
+        rounds: dict[str, list[dict]] = {}
+        for turn, name in itertools.product(range(a.rounds), a.policies.split(",")):
             cluster.reset_caches()
             router = cluster.start_router(name, slo, cost_file)
-            log(f"replaying {len(requests)} requests with {name}")
+            log(f"round {turn + 1}/{a.rounds}: replaying {len(requests)} requests with {name}")
             hits_before = cluster.hit_tokens()
             results = asyncio.run(replay(router, model, requests))
             measured = summarize(results, slo)
@@ -395,12 +406,18 @@ def main() -> None:
             measured["routed_store_tokens"] = counter(
                 router, "conductor_pool_hit_tokens_total")
             cluster.stop_router()
+            rounds.setdefault(name, []).append(measured)
+            if turn:
+                log(f"{name}: " + ", ".join(f"{k} {v}" for k, v in measured.items()))
+                rows[name]["rounds"].append(measured)
+                continue
             # as the router: KV moves between engines only through the store
             sim = simulate(requests, make_policy(name.partition(":")[0], cost, slo,
                                                  migrate=False),
                            cluster_cfg, slo,
                            keep_outcomes=True)
-            rows[name] = {**measured, "sim_ttft_p50_s": sim.ttft.p50, "sim_served": sim.served,
+            rows[name] = {**measured, "rounds": [measured], "sim_ttft_p50_s": sim.ttft.p50,
+                "sim_served": sim.served,
                 "sim_tbt_p50_s": sim.tbt.p50, "sim_rejected": sim.rejected,
                 "per_request": [{"ttft": r.get("ttft"), "tbt": r.get("tbt"),
                                  "status": r["status"], "sim_ttft": o.ttft_s,
@@ -410,13 +427,22 @@ def main() -> None:
                 "sim_goodput_rps": sim.slo_attainment * sim.requests / sim.makespan_s
                 if sim.makespan_s else 0.0}
             log(f"{name}: " + ", ".join(f"{k} {v}" for k, v in rows[name].items()
-                                          if k != "per_request"))
+                                          if k not in ("per_request", "rounds")))
+        for name, runs in rounds.items():   # each measured figure: its median over rounds
+            rows[name].update({k: statistics.median(run[k] for run in runs)
+                               if all(run[k] is not None for run in runs) else None
+                               for k in runs[0]})
     finally:
         cluster.stop()
         if a.keep_logs:
             log(f"logs kept in {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+    if a.rounds > 1:
+        print(f"measured: medians of {a.rounds} rounds (policies in turn each round); "
+              f"in SLO per round:")
+        for name, r in rows.items():
+            print(f"  {name:14} {' '.join(str(run['good']) for run in r['rounds'])}")
     print(f"{'policy':14} {'served':>6} {'in SLO':>6} {'rej':>4} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'TBT p50':>8} {'goodput':>9} {'cached':>7} {'loaded':>7} | "
           f"{'sim p50':>8} {'sim TBT':>8} "
@@ -426,7 +452,7 @@ def main() -> None:
             return f"{x * 1e3:6.0f}ms" if x is not None and x == x else "     -"
         ratio = (f"{r['sim_ttft_p50_s'] / r['ttft_p50_s']:11.2f}x" if r["ttft_p50_s"]
                  else "           -")
-        print(f"{name:14} {r['served']:6d} {r['good']:6d} {r['rejected']:4d} "
+        print(f"{name:14} {r['served']:6g} {r['good']:6g} {r['rejected']:4g} "
               f"{ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>9} {ms(r['tbt_p50_s']):>8} "
               f"{r['goodput_rps']:7.2f}/s {r['cached_tokens']:7.0f} {r['loaded_tokens']:7.0f} | "
               f"{ms(r['sim_ttft_p50_s']):>8} "

@@ -7,7 +7,11 @@ handle it "loads" the prompt in ``transfer_per_token_s`` a token instead of comp
 it, and counts the loaded tokens in ``/metrics`` as vLLM does (unless ``loads`` is
 False: it recomputes). Beside a store: ``saves`` is called with each prompt it answered,
 and ``store_hits`` tells how many of a prompt's tokens the store holds, which it "loads"
-in ``store_load_s`` plus ``transfer_per_token_s`` a token (counted as above). Real vLLM engines behind the router are tested in
+in ``store_load_s`` plus ``transfer_per_token_s`` a token (counted as above). Its
+``/metrics`` also reports ``running`` and ``waiting`` requests and the mean prompt
+``mean_prompt`` of finished ones as vLLM's gauges and histogram (set them to model load
+that bypasses the router), or ``metrics_page`` instead where set, after
+``metrics_delay_s``. Real vLLM engines behind the router are tested in
 tests/integrations/vllm/test_conductor_router.py."""
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ class OpenAIDouble:
         self.saves, self.store_hits, self.store_load_s = saves, store_hits, store_load_s
         self.loaded_tokens = 0
         self.health_delay_s = 0.0
+        self.running = self.waiting = 0
+        self.mean_prompt: float | None = None
+        self.metrics_page: str | None = None
+        self.metrics_delay_s = 0.0
         self.seen: list[dict[str, Any]] = []
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -89,8 +97,17 @@ class OpenAIDouble:
         return web.json_response({"data": [{"id": "double"}]})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=f'vllm:external_prefix_cache_hits_total{{engine="0"}} '
-                                 f'{float(self.loaded_tokens)}\n')
+        await asyncio.sleep(self.metrics_delay_s)   # a busy engine answers late
+        if self.metrics_page is not None:
+            return web.Response(text=self.metrics_page)
+        page = [f'vllm:external_prefix_cache_hits_total{{engine="0"}} {self.loaded_tokens:.1f}',
+                f'vllm:num_requests_running{{engine="0"}} {self.running:.1f}',
+                f'vllm:num_requests_waiting{{engine="0"}} {self.waiting:.1f}']
+        if self.mean_prompt is not None:
+            page += ["# TYPE vllm:request_prompt_tokens histogram",
+                     f'vllm:request_prompt_tokens_sum{{engine="0"}} {2 * self.mean_prompt}',
+                     'vllm:request_prompt_tokens_count{engine="0"} 2.0']
+        return web.Response(text="\n".join(page) + "\n")
 
     def app(self) -> web.Application:
         app = web.Application()

@@ -556,3 +556,121 @@ def test_the_live_conductor_pulls_only_from_the_store():
     with pytest.raises(ValueError, match="migrate=False"):
         Router(RouterConfig(make_policy("conductor", cost, Slo(30, 1)), Slo(30, 1), cost),
                Hasher(16), Pool())
+
+
+def test_load_that_bypasses_the_router_is_read_from_the_engines_metrics():
+    """An engine busy with requests that did not come through the router (vLLM's
+    running and waiting gauges) is the more loaded one: load_balance sends elsewhere,
+    /instances shows the external counts, and once the engine is idle again it is chosen
+    again (the first instance wins ties)."""
+    async def main() -> None:
+        a, b = OpenAIDouble("a"), OpenAIDouble("b")
+        a.running, a.waiting, a.mean_prompt = 4, 3, 2000.0
+        async with AsyncExitStack() as stack:
+            urls = [await serve(stack, a), await serve(stack, b)]
+            r = router("load_balance", [(u, "both") for u in urls], health_interval_s=0.05)
+            client = await stack.enter_async_context(TestClient(TestServer(r.app())))
+
+            async def state() -> dict:
+                return {i["url"]: i for i in await (await client.get("/instances")).json()}
+
+            for _ in range(100):
+                if (await state())[urls[0]]["external_waiting"]:
+                    break
+                await asyncio.sleep(0.02)
+            s = (await state())[urls[0]]
+            assert (s["external_running"], s["external_waiting"]) == (4, 3), s
+            resp = await client.post("/v1/completions", json=complete("hello"))
+            assert (await resp.json())["id"] == "b"
+            # priced at the engine's mean prompt: three 2,000-token prefills queued
+            inst = r.pool.get(urls[0])
+            assert inst.queue_s(r.pool.now()) == pytest.approx(3 * CostModel().prefill_s(2000))
+            a.running = a.waiting = 0
+            for _ in range(100):
+                if not (await state())[urls[0]]["external_running"]:
+                    break
+                await asyncio.sleep(0.02)
+            resp = await client.post("/v1/completions", json=complete("hello again"))
+            assert (await resp.json())["id"] == "a"
+
+    run(main())
+
+
+def test_an_engine_too_busy_to_answer_its_metrics_in_time_keeps_its_load():
+    async def main() -> None:
+        a, b = OpenAIDouble("a"), OpenAIDouble("b")
+        a.running, a.waiting = 4, 3
+        async with AsyncExitStack() as stack:
+            urls = [await serve(stack, a), await serve(stack, b)]
+            r = router("load_balance", [(u, "both") for u in urls], health_interval_s=0.02,
+                       health_timeout_s=0.1)
+            client = await stack.enter_async_context(TestClient(TestServer(r.app())))
+            inst = r.pool.get(urls[0])
+            for _ in range(100):
+                if inst.external_waiting:
+                    break
+                await asyncio.sleep(0.02)
+            a.running = a.waiting = 0
+            a.metrics_delay_s = 0.3   # what it shows now never arrives in time
+            await asyncio.sleep(0.5)
+            assert inst.healthy and (inst.external_running, inst.external_waiting) == (4, 3)
+            resp = await client.post("/v1/completions", json=complete("hello"))
+            assert (await resp.json())["id"] == "b"
+
+    run(main())
+
+
+def test_an_engine_counts_the_routers_own_requests_as_its_own():
+    """The engine's counts include what the router sent: only the excess is external,
+    waiting first; an engine without vLLM's gauges has none."""
+    from mooncake_plugins.conductor.router.engine_load import EngineLoad
+    from mooncake_plugins.conductor.router.instances import (DEFAULT_OUTPUT_TOKENS,
+                                                             UNKNOWN_PROMPT_TOKENS, _Flight)
+    from mooncake_plugins.conductor.router.view import LiveView
+
+    pool = Pool()
+    inst = pool.add("http://127.0.0.1:1")
+    now = pool.now()
+    inst.flights[1] = _Flight(now, 0.1, 100)
+    inst.flights[2] = _Flight(now, 0.1, 100, first_token=True)
+    inst.decoding[2] = 100
+    inst.observe_engine(EngineLoad(running=2, waiting=1), lambda n: n * 1e-3)
+    assert (inst.external_running, inst.external_waiting) == (0, 1)
+    assert inst.external_context == UNKNOWN_PROMPT_TOKENS   # nothing finished yet
+    assert inst.external_output == DEFAULT_OUTPUT_TOKENS
+    assert inst.queue_s(now) == pytest.approx(0.1 + UNKNOWN_PROMPT_TOKENS * 1e-3)
+    inst.observe_engine(EngineLoad(running=4, waiting=0, mean_prompt_tokens=300.0,
+                                   mean_output_tokens=20.0), lambda n: n * 1e-3)
+    assert (inst.external_running, inst.external_waiting) == (2, 0)
+    # two slots: both are held by external requests, each half way through 20 steps
+    view = LiveView(pool, 16, 2, step_s=0.01)
+    forecast = view.decode_forecast(0, now)
+    assert (forecast.requests, forecast.context_tokens) == (4, 2 * 100 + 2 * 300)
+    forecast = view.decode_forecast(0, now + 0.11)   # the external ones ended by then
+    assert (forecast.requests, forecast.context_tokens) == (2, 2 * 100)
+    inst.flights.clear()
+    inst.decoding.clear()
+    assert LiveView(pool, 16, 2, step_s=0.01).prefill_queue_s(0) == pytest.approx(0.1, abs=0.01)
+    inst.observe_engine(None, lambda n: n * 1e-3)
+    assert (inst.external_running, inst.external_waiting) == (0, 0)
+    assert LiveView(pool, 16, 2, step_s=0.01).prefill_queue_s(0) == 0.0
+
+
+def test_a_metrics_page_that_does_not_parse_is_logged_once_and_counts_nothing(caplog):
+    async def main() -> None:
+        a, b = OpenAIDouble("a"), OpenAIDouble("b")
+        a.metrics_page = "vllm:num_requests_running{engine=\"0\"} many\n"
+        async with AsyncExitStack() as stack:
+            urls = [await serve(stack, a), await serve(stack, b)]
+            r = router("load_balance", [(u, "both") for u in urls], health_interval_s=0.02)
+            client = await stack.enter_async_context(TestClient(TestServer(r.app())))
+            await asyncio.sleep(0.3)   # several checks
+            resp = await client.post("/v1/completions", json=complete("hello"))
+            assert (await resp.json())["id"] == "a"
+            state = {i["url"]: i for i in await (await client.get("/instances")).json()}
+            assert state[urls[0]]["healthy"] and state[urls[0]]["external_running"] == 0
+
+    with caplog.at_level("WARNING"):
+        run(main())
+    warned = [m for m in caplog.messages if "does not parse" in m]
+    assert len(warned) == 1, caplog.messages

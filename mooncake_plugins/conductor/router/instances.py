@@ -3,10 +3,11 @@
 An instance is a vLLM OpenAI server: ``both`` (prefill and decode, an ordinary engine),
 ``prefill`` (a P/D producer) or ``decode`` (a P/D consumer). The router learns each one's
 load from what it has in flight there (requests waiting for their first token, requests
-decoding) and its cache from the prompts it routed there (block ids, least recently used
-dropped past ``cache_blocks``). Instances are added, drained (no new requests; those in
-flight finish) and removed at run time; a failed request or health check takes one out
-until its ``/health`` answers again.
+decoding), plus what the engine's own metrics count beyond that (external load: requests
+that did not come through this router), and its cache from the prompts it routed there
+(block ids, least recently used dropped past ``cache_blocks``). Instances are added,
+drained (no new requests; those in flight finish) and removed at run time; a failed
+request or health check takes one out until its ``/health`` answers again.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import heapq
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
+from .engine_load import EngineLoad
 from .measured_ratio import BOUNDS, MeasuredRatio
 
 ROLES = ("both", "prefill", "decode")
@@ -25,6 +27,10 @@ OVERDUE_MIN_S = 0.05
 where the model gave it at least this long (shorter ones are mostly HTTP overhead)."""
 DEFAULT_OUTPUT_TOKENS = 256
 """Tokens a request is expected to decode when its client set no ``max_tokens``."""
+UNKNOWN_PROMPT_TOKENS = 1024
+"""An external request (one the engine holds that the router did not send) is priced as
+a prompt of the engine's mean finished prompt length; of this many tokens before the
+engine finished any."""
 
 
 @dataclass
@@ -66,6 +72,31 @@ class Instance:
     to the decode's first token)."""
     tbt: MeasuredRatio = field(default_factory=MeasuredRatio)
     """Measured / model decode time (streamed answers, first token to last)."""
+    external_waiting: int = 0
+    """Requests the engine last reported waiting beyond the router's own."""
+    external_running: int = 0
+    """Requests the engine last reported running beyond the router's own."""
+    external_prefill_s: float = 0.0   # model prefill time of one external request
+    external_context: int = 0          # its context tokens
+    external_output: int = DEFAULT_OUTPUT_TOKENS   # tokens it decodes
+
+    def observe_engine(self, load: EngineLoad | None,
+                       prefill_s: Callable[[int], float]) -> None:
+        """Take the engine's own counts (None: it gave none, so no external load): what
+        exceeds the router's requests there is external load, counted as waiting first;
+        each external request is priced like the engine's mean finished one
+        (:data:`UNKNOWN_PROMPT_TOKENS` before it finished any), ``prefill_s`` giving the
+        model's prefill time of a prompt of so many tokens."""
+        if load is None:
+            self.external_waiting = self.external_running = 0
+            return
+        own = len(self.flights.keys() | self.decoding.keys())
+        external = max(0, load.running + load.waiting - own)
+        self.external_waiting = min(load.waiting, external)
+        self.external_running = external - self.external_waiting
+        self.external_context = max(1, round(load.mean_prompt_tokens or UNKNOWN_PROMPT_TOKENS))
+        self.external_prefill_s = prefill_s(self.external_context)
+        self.external_output = max(1, round(load.mean_output_tokens or DEFAULT_OUTPUT_TOKENS))
 
     @property
     def usable(self) -> bool:
@@ -75,25 +106,33 @@ class Instance:
         """Seconds of prefill ahead of a new request, in the cost model's time: the
         predicted prefill time of every request still waiting for its first token, less
         what has run since the oldest came; an instance ``ratio`` times slower than the
-        model got through ``1 / ratio`` of the model's work a second."""
+        model got through ``1 / ratio`` of the model's work a second. External
+        requests waiting at the engine add their prefill, as last reported."""
+        external = self.external_waiting * self.external_prefill_s
         waiting = [f for f in self.flights.values() if not f.first_token]
         if not waiting:
-            return 0.0
+            return external
         oldest = min(f.started_s for f in waiting)
-        return max(0.0, sum(f.prefill_s for f in waiting) - (now - oldest) / ratio)
+        return max(0.0, sum(f.prefill_s for f in waiting) - (now - oldest) / ratio) + external
 
     def slot_wait_s(self, now: float, slots: int, step_s: float) -> float:
         """Seconds until one of ``slots`` (vLLM's ``--max-num-seqs``) is free for a new
         request on an engine that prefills and decodes. Decoding requests end when
         predicted; each request waiting for its first token takes the first slot that
-        frees, prefills, and holds it for ``output_tokens`` steps of ``step_s``."""
-        ends = sorted(self.decode_ends.values())
+        frees, prefills, and holds it for ``output_tokens`` steps of ``step_s``.
+        External requests running hold a slot for half their mean output (on average
+        half done); those waiting queue first (they reached the engine before)."""
+        ends = [*self.decode_ends.values(),
+                *[now + self.external_output / 2 * step_s] * self.external_running]
+        heapq.heapify(ends)
+        queued = [(self.external_prefill_s, self.external_output)] * self.external_waiting
+        queued += [(f.prefill_s, f.output_tokens) for f in sorted(
+            (f for f in self.flights.values() if not f.first_token), key=lambda f: f.started_s)]
         prefill_free = now
-        for f in sorted((f for f in self.flights.values() if not f.first_token),
-                        key=lambda f: f.started_s):
+        for prefill_s, output_tokens in queued:
             start = heapq.heappop(ends) if len(ends) >= slots else now
-            prefill_free = max(start, prefill_free) + f.prefill_s
-            heapq.heappush(ends, prefill_free + (f.output_tokens - 1) * step_s)
+            prefill_free = max(start, prefill_free) + prefill_s
+            heapq.heappush(ends, prefill_free + (output_tokens - 1) * step_s)
         return max(0.0, ends[0] - now) if len(ends) >= slots else 0.0
 
     def ttft_ratio(self, now: float) -> float:
@@ -129,6 +168,8 @@ class Instance:
                 "healthy": self.healthy,
                 "draining": self.draining, "in_flight": len(self.flights),
                 "decoding": len(self.decoding), "cached_blocks": len(self.blocks),
+                "external_running": self.external_running,
+                "external_waiting": self.external_waiting,
                 "ttft_ratio": round(self.ttft.ratio, 3), "ttft_samples": self.ttft.samples,
                 "tbt_ratio": round(self.tbt.ratio, 3), "tbt_samples": self.tbt.samples}
 

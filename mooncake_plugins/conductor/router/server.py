@@ -38,6 +38,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from ..costmodel import CostModel
 from ..policies import POOL, ConductorPolicy, Decision, Policy, Slo
 from .instances import DEFAULT_OUTPUT_TOKENS, Instance, Pool, _Flight
+from .engine_load import parse_engine_load
 from .kv_events import KvEventIndex, subscribe
 from .measured_ratio import BURST_S
 from .pd_handoff import decode_params, prefill_body
@@ -127,6 +128,7 @@ class Router:
         self._events: dict[str, tuple[KvEventIndex, asyncio.Task]] = {}
         self._last_routed: dict[str, float] = {}
         self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)   # measured / estimated
+        self._bad_metrics: set[str] = set()   # instances whose /metrics did not parse
         if config.slo_quantile is not None and not 0 < config.slo_quantile < 1:
             raise ValueError(f"the SLO quantile must be in (0, 1), got {config.slo_quantile}")
         if not (config.health_interval_s > 0 and config.health_timeout_s > 0
@@ -445,12 +447,15 @@ class Router:
                 index.forget()
 
     async def _check_health(self) -> None:
-        """Ask every instance's /health now and then, all at once: one that answers
-        comes back; age out the view of instances whose KV events stopped."""
+        """Ask every instance's /health and /metrics now and then, all at once: one that
+        answers its health check comes back, its metrics give its external load; age
+        out the view of instances whose KV events stopped."""
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             self._age_out()
-            await asyncio.gather(*(self._check(inst) for inst in list(self.pool)))
+            instances = list(self.pool)
+            await asyncio.gather(*(self._check(inst) for inst in instances),
+                                 *(self._observe_engine(inst) for inst in instances))
 
     async def _check(self, inst: Instance) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
@@ -471,6 +476,28 @@ class Router:
         elif not inst.healthy:
             log.info("instance %s is back", inst.url)
             inst.healthy = True
+
+    async def _observe_engine(self, inst: Instance) -> None:
+        """Read the engine's own load from its /metrics (the requests it runs and holds
+        beyond the router's are external load); an engine that gives none, or a page
+        that does not parse (logged once until one does), counts as having none. One
+        that does not answer in time keeps what it last showed: a busy engine answers
+        late, and must not look idle for it."""
+        load = None
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        try:
+            async with self._http().get(inst.url + "/metrics", timeout=timeout) as r:
+                page = await r.text() if r.status == 200 else ""
+            load = parse_engine_load(page)
+            self._bad_metrics.discard(inst.url)
+        except (asyncio.TimeoutError, aiohttp.ClientError):
+            return   # the health check takes a lost instance out
+        except ValueError as exc:   # also a page that is not UTF-8
+            if inst.url not in self._bad_metrics:
+                self._bad_metrics.add(inst.url)
+                log.warning("instance %s: its /metrics page does not parse (%s): no "
+                            "external load is counted for it", inst.url, exc)
+        inst.observe_engine(load, self.config.cost.prefill_s)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)

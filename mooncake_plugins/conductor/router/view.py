@@ -64,9 +64,13 @@ class LiveView:
         inst = self.prefill[instance]
         queue = inst.queue_s(self._now, self._ratios[instance])
         if self._colocated:   # a prefill also waits for a free slot
-            step_s = self._step_s * (inst.tbt.ratio if self._correct else 1.0)
-            queue = max(queue, inst.slot_wait_s(self._now, self._max_batch, step_s))
+            queue = max(queue, inst.slot_wait_s(self._now, self._max_batch,
+                                                self._decode_step_s(inst)))
         return queue
+
+    def _decode_step_s(self, inst: Instance) -> float:
+        """A full batch's decode step on ``inst`` (the model's, at the measured pace)."""
+        return self._step_s * (inst.tbt.ratio if self._correct else 1.0)
 
     def cached_prefix(self, instance: int, hash_ids: Sequence[int]) -> PrefixHit:
         blocks, ready = self.prefill[instance].prefix(hash_ids)
@@ -78,8 +82,10 @@ class LiveView:
     def decode_forecast(self, instance: int, at_s: float) -> DecodeForecast:
         """Requests decoding on ``instance`` at ``at_s``: those decoding now and not
         predicted to have ended by then, those prefilling here (they decode here next),
-        and P/D requests prefilling elsewhere predicted to have reached it by then and
-        not ended."""
+        P/D requests prefilling elsewhere predicted to have reached it by then and not
+        ended, and the external requests the engine last reported (those running until
+        half their mean output is decoded, as :meth:`~.instances.Instance.slot_wait_s`
+        has them)."""
         inst = self.decode[instance]
         requests, context = 0, 0
         for rid, tokens in inst.decoding.items():
@@ -91,6 +97,10 @@ class LiveView:
         for first_s, last_s, tokens in inst.joining.values():
             if first_s <= at_s < last_s:
                 requests, context = requests + 1, context + tokens
+        external = inst.external_waiting
+        if at_s < self._now + inst.external_output / 2 * self._decode_step_s(inst):
+            external += inst.external_running
+        requests, context = requests + external, context + external * inst.external_context
         return DecodeForecast(requests, float(context))
 
     def expected_ttft_s(self, instance: int, model_ttft_s: float) -> float:

@@ -116,8 +116,11 @@ def cluster_with_events(tiny_llama, tmp_path) -> Iterator[tuple[str, list[str], 
 
 
 def _ask(router: str, model: str, prompt: list[int]) -> dict:
-    return http(f"{router}/v1/completions", {"model": model, "prompt": prompt,
-                                             "max_tokens": 4, "temperature": 0.0})
+    try:
+        return http(f"{router}/v1/completions", {"model": model, "prompt": prompt,
+                                                 "max_tokens": 4, "temperature": 0.0})
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{exc}: {exc.read().decode(errors='replace')}") from exc
 
 
 def test_shared_prefixes_meet_their_cache_and_a_killed_engine_is_routed_around(cluster,
@@ -210,6 +213,45 @@ def test_shared_prefixes_reach_their_first_token_sooner_than_round_robin(cluster
         report
     for name in ("cache_aware", "conductor"):
         assert sum(ttft[name]) < sum(ttft["round_robin"]), report
+
+
+def test_load_sent_straight_to_an_engine_is_seen_in_its_metrics(tiny_llama, tmp_path):
+    """Eight long answers asked of engine 0 directly (four run, four wait:
+    --max-num-seqs 4) show in its vLLM gauges; the routers, which sent
+    none of them, read them as external load, and both load_balance and the conductor
+    send the next request to engine 1 (with equal loads engine 0 would win the tie)."""
+    # an engine this busy on two cores answers /health and /metrics in seconds at times
+    slow = ["--health-timeout", "10"]
+    with _cluster(tiny_llama, tmp_path, events=False,
+                  router_args=["--policy", "load_balance", *slow]) as (router, urls, procs):
+        conductor = _start_router(urls, ["--policy", "conductor", *slow], free_port(),
+                                  tmp_path / "conductor.out", procs)
+
+        def external(r: str) -> int:
+            state = {i["url"]: i for i in http(f"{r}/instances")}[urls[0]]
+            return state["external_running"] + state["external_waiting"]
+
+        def served(url: str) -> float:
+            return _counter(http(f"{url}/metrics"), "vllm:request_success_total")
+
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(8) as pool:
+            busy = [pool.submit(http, f"{urls[0]}/v1/completions", {
+                "model": tiny_llama, "prompt": prompt_tokens(64, 60 + i), "max_tokens": 1900,
+                "ignore_eos": True, "temperature": 0.0}) for i in range(8)]
+            for i, r in enumerate((router, conductor)):
+                assert wait_until(lambda: external(r) >= 4, 30, 0.05), \
+                    (r, time.monotonic() - t0, sum(f.done() for f in busy),
+                     http(f"{r}/instances"), [line for line in http(f"{urls[0]}/metrics")
+                                              .splitlines() if "num_requests" in line])
+                before = served(urls[1])
+                _ask(r, tiny_llama, prompt_tokens(64, 70 + i))
+                # (vLLM counts a request served a moment after it answered)
+                assert wait_until(lambda: served(urls[1]) == before + 1, 10, 0.05), \
+                    (r, "sent it to the busy engine", http(f"{r}/instances"))
+            assert all(len(f.result()["choices"]) == 1 for f in busy)
+        # once those ended, the engine is idle again in the routers' view
+        assert wait_until(lambda: external(router) == 0 == external(conductor), 30, 0.1)
 
 
 def _cached(router: str, url: str) -> int:

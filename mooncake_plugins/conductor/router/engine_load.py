@@ -1,0 +1,51 @@
+"""What a vLLM engine reports of its own load on ``/metrics``: the requests it runs and
+holds waiting, and the mean prompt and output lengths of those it finished. The router
+counts what exceeds its own requests there as external load (requests from clients that
+bypass it, or from another router): :meth:`.instances.Instance.observe_engine`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PROMPT = "vllm:request_prompt_tokens"
+OUTPUT = "vllm:request_generation_tokens"
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """An engine's counts, summed over its label sets (data-parallel ranks, models)."""
+
+    running: int
+    waiting: int
+    mean_prompt_tokens: float | None = None
+    """Mean prompt length of the requests it finished; None before the first."""
+    mean_output_tokens: float | None = None
+    """Mean output length of the requests it finished; None before the first."""
+
+
+def parse_engine_load(page: str) -> EngineLoad | None:
+    """The load in ``page``, a Prometheus text page from a vLLM server; None where it has
+    no ``vllm:num_requests_running`` (not a vLLM engine). ValueError: a malformed page,
+    or a count that is negative or not finite."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name in (RUNNING, WAITING, f"{PROMPT}_sum", f"{PROMPT}_count",
+                               f"{OUTPUT}_sum", f"{OUTPUT}_count"):
+                if not (math.isfinite(sample.value) and sample.value >= 0):
+                    raise ValueError(f"{sample.name} is {sample.value}")
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    if RUNNING not in sums:
+        return None
+
+    def mean(name: str) -> float | None:
+        count = sums.get(f"{name}_count", 0.0)
+        return sums.get(f"{name}_sum", 0.0) / count if count else None
+
+    return EngineLoad(round(sums[RUNNING]), round(sums.get(WAITING, 0.0)), mean(PROMPT),
+                      mean(OUTPUT))
