@@ -11,9 +11,12 @@ Model (one replay, single-threaded, deterministic for a given policy seed):
   it is scheduled, marked ready at the end of its prefill; FIFO order makes them usable
   by every later request on the same instance.
 - An optional global pool (the Mooncake Store, ``pool_tokens``, LRU too) receives every
-  prefilled block; writing it back is asynchronous and not charged. A prefix pulled from
-  the pool or from a peer instance costs :meth:`CostModel.kv_transfer_s`, starts when the
-  source has computed the blocks, and overlaps the wait in the destination's queue.
+  prefilled block; writing it back is asynchronous and not charged, and a block is in
+  the pool from its prefill's end (as a live store shows only saved blocks: a request
+  arriving while its prefix is still being computed elsewhere does not find it there).
+  A prefix pulled from the pool or from a peer instance costs
+  :meth:`CostModel.kv_transfer_s`; a peer's pull starts when the peer has computed the
+  blocks; either overlaps the wait in the destination's queue.
 - The prompt's KV streams to the chosen decode instance layer by layer while prefill
   runs, as in Mooncake, so it lands at ``max(prefill end, prefill start + transfer)``.
   Prefill emits the first token. With ``CostModel.kv_streamed_during_prefill`` False
@@ -250,11 +253,12 @@ class LruBlockCache:
         """Cached block ids from least to most recently used."""
         return list(self._blocks)
 
-    def prefix(self, hash_ids: Sequence[int]) -> tuple[int, float]:
+    def prefix(self, hash_ids: Sequence[int], ready_by: float = math.inf) -> tuple[int, float]:
         """Longest cached prefix of ``hash_ids``; does not count as a use.
 
         Args:
             hash_ids: the prompt's block ids.
+            ready_by: count only blocks computed by then.
 
         Returns:
             ``(blocks, ready_s)``: the prefix length and when its last block is computed.
@@ -263,7 +267,7 @@ class LruBlockCache:
         blocks, ready_s = 0, 0.0
         for block in hash_ids:
             at = get(block)
-            if at is None:
+            if at is None or at > ready_by:
                 break
             if at > ready_s:
                 ready_s = at
@@ -393,7 +397,7 @@ class _Replay:
     def pool_prefix(self, hash_ids: Sequence[int]) -> PrefixHit:
         if self.pool is None:
             return PrefixHit(0, 0.0)
-        return PrefixHit(*self.pool.prefix(hash_ids))
+        return PrefixHit(*self.pool.prefix(hash_ids, self.now))
 
     def decode_forecast(self, instance: int, at_s: float) -> DecodeForecast:
         """Requests still decoding at ``at_s``, assuming each decodes the observed mean length."""
@@ -463,7 +467,8 @@ class _Replay:
         source = decision.pull_from
         if source is not None:
             src = self._source(source, instance)
-            blocks, src_ready_s = src.prefix(ids)
+            # the pool holds a block once it is saved, at its prefill's end
+            blocks, src_ready_s = src.prefix(ids, now if source == POOL else math.inf)
             if blocks > local:
                 moved = min(blocks * bt, length) - min(local * bt, length)
                 start_s = max(start_s, max(now, src_ready_s) + cost.kv_transfer_s(moved))

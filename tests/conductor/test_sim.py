@@ -344,3 +344,21 @@ def test_a_kv_handoff_after_prefill_delays_the_first_token() -> None:
                     ClusterConfig(num_prefill=1, num_decode=1, decode_max_batch=4, cost=after,
                                   colocated=True), SLO, keep_outcomes=True).outcomes
     assert c.ttft_s == pytest.approx(after.prefill_s(1024))
+
+
+def test_the_pool_shows_a_prefix_only_once_its_prefill_ended() -> None:
+    """As a live store holds only saved blocks: a request arriving while its prefix is
+    still being computed on another instance finds nothing in the pool and computes it
+    too; one arriving after that prefill ended loads it."""
+    prefix = tuple(range(1, 9))
+    a = _req(0, prefix + tuple(range(200, 256)))     # a long prefill on instance 0
+    during = _req(2, prefix + (9,))                  # instance 1: a's prefill goes on
+    result = _run([a, during], LoadBalancePolicy(COST), pool_tokens=100_000)
+    assert result.outcomes[0].ttft_s > 1.0
+    assert result.outcomes[1].prefill == 1
+    assert (result.outcomes[1].reused_blocks, result.outcomes[1].pull_from) == (0, None)
+    busy = _req(9_999, tuple(range(300, 302)))       # instance 0 again
+    after = _req(10_000, prefix + (10,))
+    result = _run([a, busy, after], LoadBalancePolicy(COST), pool_tokens=100_000)
+    assert result.outcomes[2].prefill == 1
+    assert (result.outcomes[2].reused_blocks, result.outcomes[2].pull_from) == (8, "pool")
