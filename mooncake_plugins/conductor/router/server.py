@@ -490,7 +490,9 @@ class Router:
                 page = await r.text() if r.status == 200 else ""
             load = parse_engine_load(page)
             self._bad_metrics.discard(inst.url)
-        except (asyncio.TimeoutError, aiohttp.ClientError):
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            log.debug("instance %s: /metrics gave no answer (%r): its last load is kept",
+                      inst.url, exc)
             return   # the health check takes a lost instance out
         except ValueError as exc:   # also a page that is not UTF-8
             if inst.url not in self._bad_metrics:
