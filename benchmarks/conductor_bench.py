@@ -151,7 +151,8 @@ class Cluster:
         if self.store:
             with open(self.tmp / "master.log", "wb") as f:
                 self.procs.append(subprocess.Popen(
-                    [self.python, "-m", "mooncake_plugins.cli.master", "--rpc_port", str(self.store_port),
+                    [self.python, "-m", "mooncake_plugins.cli.master",
+                     "--rpc_port", str(self.store_port),
                      "--metrics_port", "0", "--enable_metric_reporting", "false"],
                     stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
             deadline = time.monotonic() + 30
@@ -393,7 +394,6 @@ def main() -> None:
                                     pool_tokens=len(prefills) * STORE_SEGMENT
                                     // KV_BYTES_PER_TOKEN if a.store else 0,
                                     colocated=not a.pd, shared_slowdown=slowdown)
-        rounds: dict[str, list[dict]] = {}
         for turn, name in itertools.product(range(a.rounds), a.policies.split(",")):
             cluster.reset_caches()
             router = cluster.start_router(name, slo, cost_file)
@@ -406,7 +406,6 @@ def main() -> None:
             measured["routed_store_tokens"] = counter(
                 router, "conductor_pool_hit_tokens_total")
             cluster.stop_router()
-            rounds.setdefault(name, []).append(measured)
             if turn:
                 log(f"{name}: " + ", ".join(f"{k} {v}" for k, v in measured.items()))
                 rows[name]["rounds"].append(measured)
@@ -428,10 +427,11 @@ def main() -> None:
                 if sim.makespan_s else 0.0}
             log(f"{name}: " + ", ".join(f"{k} {v}" for k, v in rows[name].items()
                                           if k not in ("per_request", "rounds")))
-        for name, runs in rounds.items():   # each measured figure: its median over rounds
-            rows[name].update({k: statistics.median(run[k] for run in runs)
-                               if all(run[k] is not None for run in runs) else None
-                               for k in runs[0]})
+        for row in rows.values():   # each measured figure: its median over rounds
+            runs = row["rounds"]
+            row.update({k: statistics.median(run[k] for run in runs)
+                        if all(run[k] is not None for run in runs) else None
+                        for k in runs[0]})
     finally:
         cluster.stop()
         if a.keep_logs:

@@ -51,6 +51,15 @@ def complete(prompt: str, **kw: Any) -> dict[str, Any]:
     return {"model": "m", "prompt": prompt, "max_tokens": 8, **kw}
 
 
+async def until(check: Any) -> None:
+    """Wait until ``check()`` holds, 2 s at most."""
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not within 2 s")
+
+
 @pytest.mark.parametrize("policy", ["cache_aware", "conductor"])
 def test_requests_sharing_a_prefix_go_where_it_is(policy):
     async def main() -> None:
@@ -141,13 +150,6 @@ def test_an_instance_slow_to_answer_its_health_check_stays_until_three_time_out(
 
             async def healthy() -> bool:
                 return (await (await client.get("/instances")).json())[0]["healthy"]
-
-            async def until(check) -> None:
-                for _ in range(200):
-                    if check():
-                        return
-                    await asyncio.sleep(0.01)
-                raise AssertionError("not within 2 s")
 
             inst = r.pool.get(url)
             busy.health_delay_s = 0.3      # each check times out after 0.1 s
@@ -574,22 +576,16 @@ def test_load_that_bypasses_the_router_is_read_from_the_engines_metrics():
             async def state() -> dict:
                 return {i["url"]: i for i in await (await client.get("/instances")).json()}
 
-            for _ in range(100):
-                if (await state())[urls[0]]["external_waiting"]:
-                    break
-                await asyncio.sleep(0.02)
+            inst = r.pool.get(urls[0])
+            await until(lambda: inst.external_waiting)
             s = (await state())[urls[0]]
             assert (s["external_running"], s["external_waiting"]) == (4, 3), s
             resp = await client.post("/v1/completions", json=complete("hello"))
             assert (await resp.json())["id"] == "b"
             # priced at the engine's mean prompt: three 2,000-token prefills queued
-            inst = r.pool.get(urls[0])
             assert inst.queue_s(r.pool.now()) == pytest.approx(3 * CostModel().prefill_s(2000))
             a.running = a.waiting = 0
-            for _ in range(100):
-                if not (await state())[urls[0]]["external_running"]:
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: not inst.external_running)
             resp = await client.post("/v1/completions", json=complete("hello again"))
             assert (await resp.json())["id"] == "a"
 
@@ -606,10 +602,7 @@ def test_an_engine_too_busy_to_answer_its_metrics_in_time_keeps_its_load():
                        health_timeout_s=0.1)
             client = await stack.enter_async_context(TestClient(TestServer(r.app())))
             inst = r.pool.get(urls[0])
-            for _ in range(100):
-                if inst.external_waiting:
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: inst.external_waiting)
             a.running = a.waiting = 0
             a.metrics_delay_s = 0.3   # what it shows now never arrives in time
             await asyncio.sleep(0.5)

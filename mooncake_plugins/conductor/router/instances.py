@@ -98,6 +98,11 @@ class Instance:
         self.external_prefill_s = prefill_s(self.external_context)
         self.external_output = max(1, round(load.mean_output_tokens or DEFAULT_OUTPUT_TOKENS))
 
+    def external_end_s(self, now: float, step_s: float) -> float:
+        """When the external requests running now are taken to end: after half their
+        mean output (on average half done) at ``step_s`` a token."""
+        return now + self.external_output / 2 * step_s
+
     @property
     def usable(self) -> bool:
         return self.healthy and not self.draining
@@ -120,10 +125,10 @@ class Instance:
         request on an engine that prefills and decodes. Decoding requests end when
         predicted; each request waiting for its first token takes the first slot that
         frees, prefills, and holds it for ``output_tokens`` steps of ``step_s``.
-        External requests running hold a slot for half their mean output (on average
-        half done); those waiting queue first (they reached the engine before)."""
+        External requests running hold a slot until :meth:`external_end_s`; those
+        waiting queue first (they reached the engine before)."""
         ends = [*self.decode_ends.values(),
-                *[now + self.external_output / 2 * step_s] * self.external_running]
+                *[self.external_end_s(now, step_s)] * self.external_running]
         heapq.heapify(ends)
         queued = [(self.external_prefill_s, self.external_output)] * self.external_waiting
         queued += [(f.prefill_s, f.output_tokens) for f in sorted(

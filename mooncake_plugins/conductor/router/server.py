@@ -454,11 +454,11 @@ class Router:
             await asyncio.sleep(self.config.health_interval_s)
             self._age_out()
             instances = list(self.pool)
-            await asyncio.gather(*(self._check(inst) for inst in instances),
-                                 *(self._observe_engine(inst) for inst in instances))
+            timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+            await asyncio.gather(*(self._check(inst, timeout) for inst in instances),
+                                 *(self._observe_engine(inst, timeout) for inst in instances))
 
-    async def _check(self, inst: Instance) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+    async def _check(self, inst: Instance, timeout: aiohttp.ClientTimeout) -> None:
         try:
             async with self._http().get(inst.url + "/health", timeout=timeout) as r:
                 why = None if r.status == 200 else f"health check answered {r.status}"
@@ -477,14 +477,13 @@ class Router:
             log.info("instance %s is back", inst.url)
             inst.healthy = True
 
-    async def _observe_engine(self, inst: Instance) -> None:
+    async def _observe_engine(self, inst: Instance, timeout: aiohttp.ClientTimeout) -> None:
         """Read the engine's own load from its /metrics (the requests it runs and holds
         beyond the router's are external load); an engine that gives none, or a page
         that does not parse (logged once until one does), counts as having none. One
         that does not answer in time keeps what it last showed: a busy engine answers
         late, and must not look idle for it."""
         load = None
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
         try:
             async with self._http().get(inst.url + "/metrics", timeout=timeout) as r:
                 page = await r.text() if r.status == 200 else ""

@@ -84,8 +84,7 @@ class LiveView:
         predicted to have ended by then, those prefilling here (they decode here next),
         P/D requests prefilling elsewhere predicted to have reached it by then and not
         ended, and the external requests the engine last reported (those running until
-        half their mean output is decoded, as :meth:`~.instances.Instance.slot_wait_s`
-        has them)."""
+        :meth:`~.instances.Instance.external_end_s`)."""
         inst = self.decode[instance]
         requests, context = 0, 0
         for rid, tokens in inst.decoding.items():
@@ -98,7 +97,7 @@ class LiveView:
             if first_s <= at_s < last_s:
                 requests, context = requests + 1, context + tokens
         external = inst.external_waiting
-        if at_s < self._now + inst.external_output / 2 * self._decode_step_s(inst):
+        if at_s < inst.external_end_s(self._now, self._decode_step_s(inst)):
             external += inst.external_running
         requests, context = requests + external, context + external * inst.external_context
         return DecodeForecast(requests, float(context))
