@@ -582,8 +582,10 @@ def test_load_that_bypasses_the_router_is_read_from_the_engines_metrics():
             assert (s["external_running"], s["external_waiting"]) == (4, 3), s
             resp = await client.post("/v1/completions", json=complete("hello"))
             assert (await resp.json())["id"] == "b"
-            # priced at the engine's mean prompt: three 2,000-token prefills queued
-            assert inst.queue_s(r.pool.now()) == pytest.approx(3 * CostModel().prefill_s(2000))
+            # priced at the engine's mean prompt: three 2,000-token prefills queued, less
+            # what ran since the reading (a health interval at most)
+            queued = 3 * CostModel().prefill_s(2000)
+            assert queued - 0.1 < inst.queue_s(r.pool.now()) <= queued
             a.running = a.waiting = 0
             await until(lambda: not inst.external_running)
             resp = await client.post("/v1/completions", json=complete("hello again"))
@@ -593,9 +595,10 @@ def test_load_that_bypasses_the_router_is_read_from_the_engines_metrics():
 
 
 def test_an_engine_too_busy_to_answer_its_metrics_in_time_keeps_its_load():
+    # three 8,000-token prompts waiting (about 3 s of prefill) have not run down in 0.5 s
     async def main() -> None:
         a, b = OpenAIDouble("a"), OpenAIDouble("b")
-        a.running, a.waiting = 4, 3
+        a.running, a.waiting, a.mean_prompt = 4, 3, 8000.0
         async with AsyncExitStack() as stack:
             urls = [await serve(stack, a), await serve(stack, b)]
             r = router("load_balance", [(u, "both") for u in urls], health_interval_s=0.02,
@@ -627,13 +630,13 @@ def test_an_engine_counts_the_routers_own_requests_as_its_own():
     inst.flights[1] = _Flight(now, 0.1, 100)
     inst.flights[2] = _Flight(now, 0.1, 100, first_token=True)
     inst.decoding[2] = 100
-    inst.observe_engine(EngineLoad(running=2, waiting=1), lambda n: n * 1e-3)
+    inst.observe_engine(EngineLoad(running=2, waiting=1), lambda n: n * 1e-3, now)
     assert (inst.external_running, inst.external_waiting) == (0, 1)
     assert inst.external_context == UNKNOWN_PROMPT_TOKENS   # nothing finished yet
     assert inst.external_output == DEFAULT_OUTPUT_TOKENS
     assert inst.queue_s(now) == pytest.approx(0.1 + UNKNOWN_PROMPT_TOKENS * 1e-3)
     inst.observe_engine(EngineLoad(running=4, waiting=0, mean_prompt_tokens=300.0,
-                                   mean_output_tokens=20.0), lambda n: n * 1e-3)
+                                   mean_output_tokens=20.0), lambda n: n * 1e-3, now)
     assert (inst.external_running, inst.external_waiting) == (2, 0)
     # two slots: both are held by external requests, each half way through 20 steps
     view = LiveView(pool, 16, 2, step_s=0.01)
@@ -644,7 +647,7 @@ def test_an_engine_counts_the_routers_own_requests_as_its_own():
     inst.flights.clear()
     inst.decoding.clear()
     assert LiveView(pool, 16, 2, step_s=0.01).prefill_queue_s(0) == pytest.approx(0.1, abs=0.01)
-    inst.observe_engine(None, lambda n: n * 1e-3)
+    inst.observe_engine(None, lambda n: n * 1e-3, now)
     assert (inst.external_running, inst.external_waiting) == (0, 0)
     assert LiveView(pool, 16, 2, step_s=0.01).prefill_queue_s(0) == 0.0
 
@@ -667,3 +670,34 @@ def test_a_metrics_page_that_does_not_parse_is_logged_once_and_counts_nothing(ca
         run(main())
     warned = [m for m in caplog.messages if "does not parse" in m]
     assert len(warned) == 1, caplog.messages
+
+
+def test_the_engines_last_reading_ages_until_the_next():
+    """External load is what the engine showed when its /metrics was read: its waiting
+    prefills run down from then (the router's own queue behind them), its running
+    requests end half their mean output after it; a reading a second old holds no
+    slot."""
+    from mooncake_plugins.conductor.router.engine_load import EngineLoad
+    from mooncake_plugins.conductor.router.instances import UNKNOWN_PROMPT_TOKENS, _Flight
+    from mooncake_plugins.conductor.router.view import LiveView
+
+    pool = Pool()
+    inst = pool.add("http://127.0.0.1:1")
+    now = pool.now()
+    external = UNKNOWN_PROMPT_TOKENS * 1e-3
+    inst.observe_engine(EngineLoad(running=0, waiting=1), lambda n: n * 1e-3, now)
+    inst.flights[1] = _Flight(now, 0.1, 100)
+    assert inst.queue_s(now) == pytest.approx(external + 0.1)
+    assert inst.queue_s(now + 0.5) == pytest.approx(external - 0.5 + 0.1)
+    assert inst.queue_s(now + external + 0.05) == pytest.approx(0.05)
+    assert inst.queue_s(now + external + 1) == 0.0
+    assert inst.queue_s(now + 0.25, ratio=2.0) == pytest.approx(external - 0.125 + 0.1)
+    inst.flights.clear()
+    # two slots, both held by external requests half way through 20 steps of 0.01 s
+    full = EngineLoad(running=2, waiting=0, mean_output_tokens=20.0)
+    inst.observe_engine(full, lambda n: n * 1e-3, pool.now())
+    assert LiveView(pool, 16, 2, step_s=0.01).prefill_queue_s(0) == pytest.approx(0.1, abs=0.02)
+    inst.observe_engine(full, lambda n: n * 1e-3, pool.now() - 1.0)
+    view = LiveView(pool, 16, 2, step_s=0.01)
+    assert view.prefill_queue_s(0) == 0.0
+    assert view.decode_forecast(0, pool.now()).requests == 0

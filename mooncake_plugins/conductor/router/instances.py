@@ -79,14 +79,16 @@ class Instance:
     external_prefill_s: float = 0.0   # model prefill time of one external request
     external_context: int = 0          # its context tokens
     external_output: int = DEFAULT_OUTPUT_TOKENS   # tokens it decodes
+    external_seen_s: float = 0.0       # when the engine's counts were read (Pool.now)
 
     def observe_engine(self, load: EngineLoad | None,
-                       prefill_s: Callable[[int], float]) -> None:
-        """Take the engine's own counts (None: it gave none, so no external load): what
-        exceeds the router's requests there is external load, counted as waiting first;
-        each external request is priced like the engine's mean finished one
-        (:data:`UNKNOWN_PROMPT_TOKENS` before it finished any), ``prefill_s`` giving the
-        model's prefill time of a prompt of so many tokens."""
+                       prefill_s: Callable[[int], float], now: float) -> None:
+        """Take the engine's own counts, read at ``now`` (None: it gave none, so no
+        external load): what exceeds the router's requests there is external load,
+        counted as waiting first; each external request is priced like the engine's mean
+        finished one (:data:`UNKNOWN_PROMPT_TOKENS` before it finished any),
+        ``prefill_s`` giving the model's prefill time of a prompt of so many tokens."""
+        self.external_seen_s = now
         if load is None:
             self.external_waiting = self.external_running = 0
             return
@@ -98,10 +100,11 @@ class Instance:
         self.external_prefill_s = prefill_s(self.external_context)
         self.external_output = max(1, round(load.mean_output_tokens or DEFAULT_OUTPUT_TOKENS))
 
-    def external_end_s(self, now: float, step_s: float) -> float:
-        """When the external requests running now are taken to end: after half their
-        mean output (on average half done) at ``step_s`` a token."""
-        return now + self.external_output / 2 * step_s
+    def external_end_s(self, step_s: float) -> float:
+        """When the external requests the engine ran at its last reading are taken to
+        end: half their mean output (on average half done) at ``step_s`` a token after
+        that reading. Until the next reading they age like the router's own requests."""
+        return self.external_seen_s + self.external_output / 2 * step_s
 
     @property
     def usable(self) -> bool:
@@ -112,13 +115,17 @@ class Instance:
         predicted prefill time of every request still waiting for its first token, less
         what has run since the oldest came; an instance ``ratio`` times slower than the
         model got through ``1 / ratio`` of the model's work a second. External
-        requests waiting at the engine add their prefill, as last reported."""
+        requests waiting at the engine's last reading go first: their prefill, less what
+        has run since that reading; the router's own start after them."""
         external = self.external_waiting * self.external_prefill_s
+        left = max(0.0, external - (now - self.external_seen_s) / ratio)
         waiting = [f for f in self.flights.values() if not f.first_token]
         if not waiting:
-            return external
-        oldest = min(f.started_s for f in waiting)
-        return max(0.0, sum(f.prefill_s for f in waiting) - (now - oldest) / ratio) + external
+            return left
+        start = min(f.started_s for f in waiting)
+        if external:
+            start = max(start, self.external_seen_s + external * ratio)
+        return left + max(0.0, sum(f.prefill_s for f in waiting) - max(0.0, now - start) / ratio)
 
     def slot_wait_s(self, now: float, slots: int, step_s: float) -> float:
         """Seconds until one of ``slots`` (vLLM's ``--max-num-seqs``) is free for a new
@@ -128,7 +135,7 @@ class Instance:
         External requests running hold a slot until :meth:`external_end_s`; those
         waiting queue first (they reached the engine before)."""
         ends = [*self.decode_ends.values(),
-                *[self.external_end_s(now, step_s)] * self.external_running]
+                *[self.external_end_s(step_s)] * self.external_running]
         heapq.heapify(ends)
         queued = [(self.external_prefill_s, self.external_output)] * self.external_waiting
         queued += [(f.prefill_s, f.output_tokens) for f in sorted(

@@ -481,8 +481,8 @@ class Router:
         """Read the engine's own load from its /metrics (the requests it runs and holds
         beyond the router's are external load); an engine that gives none, or a page
         that does not parse (logged once until one does), counts as having none. One
-        that does not answer in time keeps what it last showed: a busy engine answers
-        late, and must not look idle for it."""
+        that does not answer in time keeps what it last showed, aging from when it was
+        read: a busy engine answers late, and must not look idle for it."""
         load = None
         try:
             async with self._http().get(inst.url + "/metrics", timeout=timeout) as r:
@@ -498,7 +498,7 @@ class Router:
                 self._bad_metrics.add(inst.url)
                 log.warning("instance %s: its /metrics page does not parse (%s): no "
                             "external load is counted for it", inst.url, exc)
-        inst.observe_engine(load, self.config.cost.prefill_s)
+        inst.observe_engine(load, self.config.cost.prefill_s, self.pool.now())
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)

@@ -97,7 +97,7 @@ class LiveView:
             if first_s <= at_s < last_s:
                 requests, context = requests + 1, context + tokens
         external = inst.external_waiting
-        if at_s < inst.external_end_s(self._now, self._decode_step_s(inst)):
+        if at_s < inst.external_end_s(self._decode_step_s(inst)):
             external += inst.external_running
         requests, context = requests + external, context + external * inst.external_context
         return DecodeForecast(requests, float(context))
