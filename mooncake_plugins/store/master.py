@@ -524,10 +524,13 @@ class MasterService:
                 self._free(r)
 
     def _allocate_replica(self, nbytes: int, candidates: list[MountedSegment],
-                          high: bool = False) -> MemoryReplica | None:
-        """Place one replica on ``candidates`` (striped when large); removes used ones from
-        it. ``high``: at the top of the segments' free space."""
-        nshards = max(1, min(math.ceil(nbytes / self.config.stripe_nbytes), len(candidates)))
+                          high: bool = False, max_shards: int | None = None
+                          ) -> MemoryReplica | None:
+        """Place one replica on ``candidates`` (striped when large, over ``max_shards``
+        segments at most); removes used ones from it. ``high``: at the top of the
+        segments' free space."""
+        nshards = max(1, min(math.ceil(nbytes / self.config.stripe_nbytes), len(candidates),
+                             max_shards or len(candidates)))
         while nshards >= 1:
             sizes = [nbytes // nshards + (1 if i < nbytes % nshards else 0) for i in range(nshards)]
             placed: MemoryReplica = []
@@ -563,8 +566,14 @@ class MasterService:
         if not candidates:
             raise StoreSegmentNotFound("no segment is mounted: start a client with a global segment")
         replicas: list[MemoryReplica] = []
-        for _ in range(cfg.replica_num):
-            r = self._allocate_replica(nbytes, candidates, high)
+        for i in range(cfg.replica_num):
+            # stripe no wider than leaves a segment for each replica still to place (a
+            # replica striped over every segment would leave none for the next); wider
+            # only where that is the one way to place this replica at all
+            room = len(candidates) - (cfg.replica_num - 1 - i)
+            r = self._allocate_replica(nbytes, candidates, high, max(1, room))
+            if r is None and room < len(candidates):
+                r = self._allocate_replica(nbytes, candidates, high)
             if r is None:
                 break
             replicas.append(r)

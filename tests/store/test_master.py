@@ -78,6 +78,22 @@ def test_large_objects_are_striped(clock):
     assert sum(s[2] for s in replica) == 3 * MiB + 5
 
 
+def test_striping_never_costs_a_replica(clock):
+    # the first replica striped over both segments left none for the second: a put of
+    # 2 replicas on 2 hosts kept 1, though each segment had room for a whole copy
+    m = service(clock, nsegs=2, stripe_nbytes=1 * MiB)
+    replicas = put(m, "two", 3 * MiB, replica_num=2)
+    assert len(replicas) == 2 and sorted(s[0] for r in replicas for s in r) == ["seg0", "seg1"]
+    m = service(clock, nsegs=4, stripe_nbytes=1 * MiB)
+    replicas = put(m, "wide", 3 * MiB, replica_num=2)   # striped over 3, whole on the 4th
+    assert sorted(len(r) for r in replicas) == [1, 3]
+    assert len({s[0] for r in replicas for s in r}) == 4
+    # too large for any one segment: striped over both, the one replica that fits
+    m = service(clock, nsegs=2, seg_nbytes=2 * MiB, stripe_nbytes=1 * MiB)
+    (replica,) = put(m, "big", 3 * MiB, replica_num=2)
+    assert len(replica) == 2
+
+
 def test_preferred_and_local_first(clock):
     m = service(clock, allocation_strategy="local_first")
     (replica,) = put(m, "a", 100, client="c2")
