@@ -2,7 +2,8 @@
 bodies it receives and answers completions (JSON or a stream of server-sent events) after
 ``delay_s`` (plus ``per_token_s`` per prompt token, and ``step_s`` between streamed
 tokens, plus ``step_per_stream_s`` per stream it sends at that time, for calibration); it can die in the middle of a streamed answer (``die_mid_stream``) and, as a
-P/D prefill side, answers with a kv_transfer_params handle. As a decode side given a
+P/D prefill side, answers with a kv_transfer_params handle (``handle``: :data:`HANDLE`
+naming this double as the remote engine). As a decode side given a
 handle it "loads" the prompt in ``transfer_per_token_s`` a token instead of computing
 it, and counts the loaded tokens in ``/metrics`` as vLLM does (unless ``loads`` is
 False: it recomputes). Beside a store: ``saves`` is called with each prompt it answered,
@@ -49,6 +50,7 @@ class OpenAIDouble:
         self.metrics_page: str | None = None
         self.metrics_delay_s = 0.0
         self.seen: list[dict[str, Any]] = []
+        self.handle = {**HANDLE, "remote_engine_id": name}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -70,7 +72,7 @@ class OpenAIDouble:
         if not body.get("stream"):
             answer: dict[str, Any] = {"id": self.name, "choices": [{"text": self.name}]}
             if self.prefill:
-                answer["kv_transfer_params"] = HANDLE
+                answer["kv_transfer_params"] = self.handle
             return web.json_response(answer)
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)

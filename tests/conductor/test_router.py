@@ -22,7 +22,7 @@ from mooncake_plugins.conductor.router.instances import Pool  # noqa: E402
 from mooncake_plugins.conductor.router.prompts import Hasher  # noqa: E402
 from mooncake_plugins.conductor.router.pd_handoff import PD_KEYS  # noqa: E402
 from mooncake_plugins.conductor.router.server import Router, RouterConfig  # noqa: E402
-from openai_double import HANDLE, OpenAIDouble  # noqa: E402
+from openai_double import OpenAIDouble  # noqa: E402
 
 PREFIX = "You are a helpful assistant. " * 40   # about 300 tokens, 19 blocks of 16
 
@@ -218,7 +218,7 @@ def test_pd_requests_carry_the_prefill_handle_to_the_decode():
             assert first["max_tokens"] == 1 and "stream" not in first
             assert first["kv_transfer_params"]["do_remote_decode"] is True
             (second,) = d.seen
-            assert second["kv_transfer_params"] == {k: v for k, v in HANDLE.items()
+            assert second["kv_transfer_params"] == {k: v for k, v in p.handle.items()
                                                     if k in PD_KEYS}
             assert second["max_tokens"] == 8 and second["stream"] is True
             # the streamed answer timed its TTFT (to the decode's first token) for the
@@ -226,6 +226,47 @@ def test_pd_requests_carry_the_prefill_handle_to_the_decode():
             prefill, decode = (i["ttft_samples"] for i in await (await client.get(
                 "/instances")).json())
             assert (prefill, decode) == (1, 0)
+
+    run(main())
+
+
+def test_two_prefill_instances_feed_one_decode_each_with_its_own_handle():
+    """2P+1D: a shared prefix keeps going to the prefill instance that computed it, the
+    decode gets each request's handle from the prefill that served it, and when that
+    prefill instance dies the next request is prefilled on the other one."""
+    async def main() -> None:
+        doubles = {"p0": OpenAIDouble("p0", prefill=True),
+                   "p1": OpenAIDouble("p1", prefill=True)}
+        d = OpenAIDouble("d")
+        async with AsyncExitStack() as stack:
+            servers = {}
+            for name, double in doubles.items():
+                servers[name] = TestServer(double.app())
+                await servers[name].start_server()
+                stack.push_async_callback(servers[name].close)
+            urls = {name: str(s.make_url("")).rstrip("/") for name, s in servers.items()}
+            du = await serve(stack, d)
+            client = await stack.enter_async_context(TestClient(TestServer(router(
+                "conductor", [(urls["p0"], "prefill"), (urls["p1"], "prefill"),
+                              (du, "decode")]).app())))
+            for i in range(4):
+                resp = await client.post("/v1/completions",
+                                         json=complete(PREFIX + f"q {i}", stream=i % 2 == 0))
+                assert resp.status == 200 and "d" in await resp.text()
+            owner = next(n for n, double in doubles.items() if double.seen)
+            other = "p1" if owner == "p0" else "p0"
+            assert len(doubles[owner].seen) == 4 and not doubles[other].seen
+            assert [b["kv_transfer_params"]["remote_engine_id"] for b in d.seen] == [owner] * 4
+            await servers[owner].close()   # the prefill instance that holds the prefix dies
+            resp = await client.post("/v1/completions", json=complete(PREFIX + "q 4"))
+            assert resp.status == 200
+            assert len(doubles[other].seen) == 1
+            assert d.seen[-1]["kv_transfer_params"]["remote_engine_id"] == other
+            state = {i["url"]: i for i in await (await client.get("/instances")).json()}
+            assert state[urls[owner]]["healthy"] is False
+            assert state[urls[other]]["healthy"] is True and state[du]["healthy"] is True
+            # nothing is left in flight on any instance once every answer is done
+            assert all(i["in_flight"] == 0 and i["decoding"] == 0 for i in state.values())
 
     run(main())
 

@@ -191,8 +191,8 @@ class Router:
                                        expected_ttft_s=decision.predicted_ttft_s,
                                        timed=req.stream)
         first = now + decision.predicted_ttft_s   # P/D: at the decode, after the handoff
-        handoff = 0.0 if decode is prefill else self.config.cost.handoff_s(req.input_length)
-        prefill.learn(req.hash_ids, first - handoff, self.pool.cache_blocks)
+        prefill.learn(req.hash_ids, first - self.handoff_s(req.input_length, prefill, decode),
+                      self.pool.cache_blocks)
         self._last_routed[prefill.url] = now
         if decode is not prefill:
             decode.learn(req.hash_ids, first, self.pool.cache_blocks)
@@ -214,13 +214,16 @@ class Router:
             flight.first_token = True
             now = self.pool.now()
             decode = decode or inst
-            handoff = 0.0 if decode is inst else \
-                self.config.cost.handoff_s(flight.context_tokens)
             decode.joining.pop(rid, None)
             decode.decoding[rid] = flight.context_tokens
-            decode.decode_ends[rid] = now + handoff + \
-                (flight.output_tokens - 1) * self.step_s(decode)
+            decode.decode_ends[rid] = now + self.handoff_s(flight.context_tokens, inst, decode) \
+                + (flight.output_tokens - 1) * self.step_s(decode)
             inst.learn(flight.hash_ids, now, self.pool.cache_blocks)  # computed
+
+    def handoff_s(self, tokens: int, prefill: Instance, decode: Instance) -> float:
+        """From a prefill's end on ``prefill`` to its first token on ``decode`` (none where
+        they are one engine; the policies' ``Policy._handoff_s``)."""
+        return 0.0 if decode is prefill else self.config.cost.handoff_s(tokens)
 
     def first_byte(self, rid: int, inst: Instance) -> None:
         """The client gets request ``rid``'s first answer byte (the prefill was on
