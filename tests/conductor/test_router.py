@@ -353,6 +353,40 @@ def test_a_full_engine_queues_new_prefills_until_a_slot_frees():
     assert LiveView(pool, 16, 2, step_s=0.01).prefill_queue_s(0) == pytest.approx(0.05, abs=0.01)
 
 
+def test_a_slot_wait_counts_no_prefill_time_that_has_already_run():
+    """Two slots: one decoding until 0.8 s from now, one taken by a request that came
+    0.5 s ago to prefill 0.6 s and decode 10 tokens of 0.01 s: it ends 0.19 s from now
+    (prefilling from now it would end at 0.69 s); twice as slow (ratio 2), at 0.79 s;
+    one overdue for its first token (it came 1 s ago) prefills no earlier than now. An
+    external request waiting at a reading 0.5 s old (beside the one decoding) ages the
+    same way."""
+    from mooncake_plugins.conductor.router.engine_load import EngineLoad
+    from mooncake_plugins.conductor.router.instances import _Flight
+
+    pool = Pool()
+    inst = pool.add("http://127.0.0.1:1")
+    now = pool.now()
+    inst.decoding[1] = 100
+    inst.decode_ends[1] = now + 0.8
+    inst.flights[2] = _Flight(now - 0.5, 0.6, 100, output_tokens=10)
+    assert inst.slot_wait_s(now, 2, 0.01) == pytest.approx(0.19)
+    assert inst.slot_wait_s(now, 2, 0.01, ratio=2.0) == pytest.approx(0.79)
+    inst.flights[2].started_s = now - 1.0
+    assert inst.slot_wait_s(now, 2, 0.01) == pytest.approx(0.09)
+    del inst.flights[2]
+    inst.observe_engine(EngineLoad(running=1, waiting=1, mean_prompt_tokens=600.0,
+                                   mean_output_tokens=10.0), lambda n: n * 1e-3, now - 0.5)
+    assert inst.slot_wait_s(now, 2, 0.01) == pytest.approx(0.19)
+    # a decode predicted to have ended 0.2 s ago that has not holds its slot until now:
+    # a request that came 0.3 s ago prefills (0.1 s) from now, not from 0.2 s ago
+    inst.external_waiting = 0
+    inst.decode_ends[1] = now - 0.2
+    inst.decoding[3] = 100
+    inst.decode_ends[3] = now + 0.4
+    inst.flights[4] = _Flight(now - 0.3, 0.1, 100, output_tokens=10)
+    assert inst.slot_wait_s(now, 2, 0.01) == pytest.approx(0.19)
+
+
 def test_ttft_estimates_learn_an_instance_slower_than_the_model():
     """The engine prefills 3x slower than the cost model says. Non-streamed answers (whose
     first byte is their last) teach nothing; streamed ones do, and then a request the

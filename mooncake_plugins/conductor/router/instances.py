@@ -127,23 +127,30 @@ class Instance:
             start = max(start, self.external_seen_s + external * ratio)
         return left + max(0.0, sum(f.prefill_s for f in waiting) - max(0.0, now - start) / ratio)
 
-    def slot_wait_s(self, now: float, slots: int, step_s: float) -> float:
+    def slot_wait_s(self, now: float, slots: int, step_s: float, ratio: float = 1.0
+                    ) -> float:
         """Seconds until one of ``slots`` (vLLM's ``--max-num-seqs``) is free for a new
         request on an engine that prefills and decodes. Decoding requests end when
-        predicted; each request waiting for its first token takes the first slot that
-        frees, prefills, and holds it for ``output_tokens`` steps of ``step_s``.
-        External requests running hold a slot until :meth:`external_end_s`; those
-        waiting queue first (they reached the engine before)."""
-        ends = [*self.decode_ends.values(),
-                *[self.external_end_s(step_s)] * self.external_running]
+        predicted (not before ``now``: they have not ended yet); each request waiting
+        for its first token took the first slot free from when it came (external ones:
+        from the engine's last reading, ahead of the router's own), prefills ``ratio``
+        times the model's time after the one before it and holds the slot for
+        ``output_tokens`` steps of ``step_s``: so what ran since is not counted again,
+        as in :meth:`queue_s`, but no prefill ends before ``now`` (its first token has
+        not come). External requests running hold a slot until
+        :meth:`external_end_s`."""
+        ends = [max(now, end) for end in (
+            *self.decode_ends.values(),
+            *[self.external_end_s(step_s)] * self.external_running)]
         heapq.heapify(ends)
-        queued = [(self.external_prefill_s, self.external_output)] * self.external_waiting
-        queued += [(f.prefill_s, f.output_tokens) for f in sorted(
+        queued = [(self.external_seen_s, self.external_prefill_s, self.external_output)
+                  ] * self.external_waiting
+        queued += [(f.started_s, f.prefill_s, f.output_tokens) for f in sorted(
             (f for f in self.flights.values() if not f.first_token), key=lambda f: f.started_s)]
-        prefill_free = now
-        for prefill_s, output_tokens in queued:
-            start = heapq.heappop(ends) if len(ends) >= slots else now
-            prefill_free = max(start, prefill_free) + prefill_s
+        prefill_free = 0.0
+        for came, prefill_s, output_tokens in queued:
+            start = max(came, heapq.heappop(ends)) if len(ends) >= slots else came
+            prefill_free = max(now, max(start, prefill_free) + prefill_s * ratio)
             heapq.heappush(ends, prefill_free + (output_tokens - 1) * step_s)
         return max(0.0, ends[0] - now) if len(ends) >= slots else 0.0
 

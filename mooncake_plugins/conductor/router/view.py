@@ -65,7 +65,8 @@ class LiveView:
         queue = inst.queue_s(self._now, self._ratios[instance])
         if self._colocated:   # a prefill also waits for a free slot
             queue = max(queue, inst.slot_wait_s(self._now, self._max_batch,
-                                                self._decode_step_s(inst)))
+                                                self._decode_step_s(inst),
+                                                self._ratios[instance]))
         return queue
 
     def _decode_step_s(self, inst: Instance) -> float:
