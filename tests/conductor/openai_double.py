@@ -11,7 +11,8 @@ and ``store_hits`` tells how many of a prompt's tokens the store holds, which it
 in ``store_load_s`` plus ``transfer_per_token_s`` a token (counted as above). Its
 ``/metrics`` also reports ``running`` and ``waiting`` requests and the mean prompt
 ``mean_prompt`` of finished ones as vLLM's gauges and histogram (set them to model load
-that bypasses the router), or ``metrics_page`` instead where set, after
+that bypasses the router) and, where ``block_size`` is set, vLLM's
+``vllm:cache_config_info``, or ``metrics_page`` instead where set, after
 ``metrics_delay_s``. Real vLLM engines behind the router are tested in
 tests/integrations/vllm/test_conductor_router.py."""
 
@@ -47,6 +48,7 @@ class OpenAIDouble:
         self.health_delay_s = 0.0
         self.running = self.waiting = 0
         self.mean_prompt: float | None = None
+        self.block_size: int | None = None
         self.metrics_page: str | None = None
         self.metrics_delay_s = 0.0
         self.seen: list[dict[str, Any]] = []
@@ -105,6 +107,10 @@ class OpenAIDouble:
         page = [f'vllm:external_prefix_cache_hits_total{{engine="0"}} {self.loaded_tokens:.1f}',
                 f'vllm:num_requests_running{{engine="0"}} {self.running:.1f}',
                 f'vllm:num_requests_waiting{{engine="0"}} {self.waiting:.1f}']
+        if self.block_size is not None:
+            page += ["# TYPE vllm:cache_config_info gauge",
+                     f'vllm:cache_config_info{{block_size="{self.block_size}",'
+                     f'cache_dtype="auto",engine="0"}} 1.0']
         if self.mean_prompt is not None:
             page += ["# TYPE vllm:request_prompt_tokens histogram",
                      f'vllm:request_prompt_tokens_sum{{engine="0"}} {2 * self.mean_prompt}',

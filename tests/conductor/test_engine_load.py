@@ -26,6 +26,8 @@ vllm:request_prompt_tokens_sum{engine="1",model_name="m"} 500.0
 # TYPE vllm:request_generation_tokens histogram
 vllm:request_generation_tokens_count{engine="0",model_name="m"} 5.0
 vllm:request_generation_tokens_sum{engine="0",model_name="m"} 80.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",gpu_memory_utilization="0.9"} 1.0
 # TYPE vllm:prompt_tokens counter
 vllm:prompt_tokens_total{engine="0",model_name="m"} 1500.0
 """
@@ -34,7 +36,15 @@ vllm:prompt_tokens_total{engine="0",model_name="m"} 1500.0
 def test_counts_are_summed_over_engines_and_means_taken_from_the_histograms():
     assert parse_engine_load(PAGE) == EngineLoad(running=4, waiting=2,
                                                  mean_prompt_tokens=300.0,
-                                                 mean_output_tokens=16.0)
+                                                 mean_output_tokens=16.0,
+                                                 block_size=128)
+
+
+@pytest.mark.parametrize("label", ['block_size="none"', 'block_size="0"', 'block_size="-16"',
+                                   'cache_dtype="auto"'])
+def test_a_block_size_the_page_does_not_give_as_a_positive_number_is_unknown(label):
+    page = f'vllm:num_requests_running 1.0\nvllm:cache_config_info{{{label}}} 1.0\n'
+    assert parse_engine_load(page) == EngineLoad(1, 0)
 
 
 def test_an_engine_that_finished_nothing_has_no_means_and_a_non_vllm_page_no_load():

@@ -747,6 +747,37 @@ def test_a_metrics_page_that_does_not_parse_is_logged_once_and_counts_nothing(ca
     assert len(warned) == 1, caplog.messages
 
 
+def test_an_engine_of_another_block_size_is_reported_once(caplog):
+    """An engine whose metrics give another KV block size than --block-tokens finds none
+    of its prefixes in the router's hashes: an error says so once, naming the flag's
+    value to use, and /instances shows the engine's size."""
+    async def main() -> None:
+        a = OpenAIDouble("a")
+        a.block_size = 128
+        async with AsyncExitStack() as stack:
+            url = await serve(stack, a)
+            client = await stack.enter_async_context(TestClient(TestServer(
+                router("conductor", [(url, "both")], health_interval_s=0.05).app())))
+
+            async def size() -> int | None:
+                return (await (await client.get("/instances")).json())[0]["block_size"]
+
+            for _ in range(200):
+                if await size() == 128:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)   # several more readings: still one error
+            errors = [r for r in caplog.records if "--block-tokens 128" in r.getMessage()]
+            assert len(errors) == 1 and errors[0].levelname == "ERROR"
+            assert await size() == 128
+            a.block_size = 16   # restarted to match: no more errors
+            await asyncio.sleep(0.3)
+            assert await size() == 16
+            assert len([r for r in caplog.records if "--block-tokens" in r.getMessage()]) == 1
+
+    run(main())
+
+
 def test_the_engines_last_reading_ages_until_the_next():
     """External load is what the engine showed when its /metrics was read: its waiting
     prefills run down from then (the router's own queue behind them), its running

@@ -1,7 +1,9 @@
 """What a vLLM engine reports of its own load on ``/metrics``: the requests it runs and
 holds waiting, and the mean prompt and output lengths of those it finished. The router
 counts what exceeds its own requests there as external load (requests from clients that
-bypass it, or from another router): :meth:`.instances.Instance.observe_engine`."""
+bypass it, or from another router): :meth:`.instances.Instance.observe_engine`. The page
+also gives the engine's KV block size (``vllm:cache_config_info``), which the router's
+prefix hashes must share."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 PROMPT = "vllm:request_prompt_tokens"
 OUTPUT = "vllm:request_generation_tokens"
+CACHE_CONFIG = "vllm:cache_config_info"
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class EngineLoad:
     """Mean prompt length of the requests it finished; None before the first."""
     mean_output_tokens: float | None = None
     """Mean output length of the requests it finished; None before the first."""
+    block_size: int | None = None
+    """Tokens per KV block (its ``--block-size``); None where the page does not say."""
 
 
 def parse_engine_load(page: str) -> EngineLoad | None:
@@ -33,8 +38,12 @@ def parse_engine_load(page: str) -> EngineLoad | None:
     no ``vllm:num_requests_running`` (not a vLLM engine). ValueError: a malformed page,
     or a count that is negative or not finite."""
     sums: dict[str, float] = {}
+    block_size = None
     for family in text_string_to_metric_families(page):
         for sample in family.samples:
+            if sample.name == CACHE_CONFIG and block_size is None:
+                size = sample.labels.get("block_size", "")
+                block_size = int(size) if size.isdigit() and int(size) > 0 else None
             if sample.name in (RUNNING, WAITING, f"{PROMPT}_sum", f"{PROMPT}_count",
                                f"{OUTPUT}_sum", f"{OUTPUT}_count"):
                 if not (math.isfinite(sample.value) and sample.value >= 0):
@@ -48,4 +57,4 @@ def parse_engine_load(page: str) -> EngineLoad | None:
         return sums.get(f"{name}_sum", 0.0) / count if count else None
 
     return EngineLoad(round(sums[RUNNING]), round(sums.get(WAITING, 0.0)), mean(PROMPT),
-                      mean(OUTPUT))
+                      mean(OUTPUT), block_size)

@@ -80,6 +80,8 @@ class Instance:
     external_context: int = 0          # its context tokens
     external_output: int = DEFAULT_OUTPUT_TOKENS   # tokens it decodes
     external_seen_s: float = 0.0       # when the engine's counts were read (Pool.now)
+    block_size: int | None = None
+    """The engine's KV block size, as its metrics last said (None: not said)."""
 
     def observe_engine(self, load: EngineLoad | None,
                        prefill_s: Callable[[int], float], now: float) -> None:
@@ -89,6 +91,8 @@ class Instance:
         finished one (:data:`UNKNOWN_PROMPT_TOKENS` before it finished any),
         ``prefill_s`` giving the model's prefill time of a prompt of so many tokens."""
         self.external_seen_s = now
+        if load is not None and load.block_size is not None:
+            self.block_size = load.block_size
         if load is None:
             self.external_waiting = self.external_running = 0
             return
@@ -188,7 +192,7 @@ class Instance:
                 "draining": self.draining, "in_flight": len(self.flights),
                 "decoding": len(self.decoding), "cached_blocks": len(self.blocks),
                 "external_running": self.external_running,
-                "external_waiting": self.external_waiting,
+                "external_waiting": self.external_waiting, "block_size": self.block_size,
                 "ttft_ratio": round(self.ttft.ratio, 3), "ttft_samples": self.ttft.samples,
                 "tbt_ratio": round(self.tbt.ratio, 3), "tbt_samples": self.tbt.samples}
 

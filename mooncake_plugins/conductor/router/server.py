@@ -129,6 +129,7 @@ class Router:
         self._last_routed: dict[str, float] = {}
         self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)   # measured / estimated
         self._bad_metrics: set[str] = set()   # instances whose /metrics did not parse
+        self._other_blocks: set[str] = set()  # instances of another block size, logged
         if config.slo_quantile is not None and not 0 < config.slo_quantile < 1:
             raise ValueError(f"the SLO quantile must be in (0, 1), got {config.slo_quantile}")
         if not (config.health_interval_s > 0 and config.health_timeout_s > 0
@@ -502,6 +503,17 @@ class Router:
                 log.warning("instance %s: its /metrics page does not parse (%s): no "
                             "external load is counted for it", inst.url, exc)
         inst.observe_engine(load, self.config.cost.prefill_s, self.pool.now())
+        if load is None or load.block_size is None:
+            return
+        if load.block_size == self.config.block_tokens:
+            self._other_blocks.discard(inst.url)
+        elif inst.url not in self._other_blocks:
+            self._other_blocks.add(inst.url)
+            log.error("instance %s keeps KV blocks of %d tokens, but the router hashes "
+                      "prompts in blocks of %d (--block-tokens): it will find none of "
+                      "the prefixes that instance holds or saved to the store; start the "
+                      "router with --block-tokens %d", inst.url, load.block_size,
+                      self.config.block_tokens, load.block_size)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)

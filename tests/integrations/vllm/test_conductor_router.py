@@ -252,6 +252,8 @@ def test_load_sent_straight_to_an_engine_is_seen_in_its_metrics(tiny_llama, tmp_
             assert all(len(f.result()["choices"]) == 1 for f in busy)
         # once those ended, the engine is idle again in the routers' view
         assert wait_until(lambda: external(router) == 0 == external(conductor), 30, 0.1)
+        # the engines' metrics also gave their KV block size, the routers' --block-tokens
+        assert [i["block_size"] for i in http(f"{router}/instances")] == [BLOCK, BLOCK]
 
 
 def _cached(router: str, url: str) -> int:
