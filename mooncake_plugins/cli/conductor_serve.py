@@ -92,6 +92,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--cost-model", help="JSON file of CostModel fields (a calibration)")
     serve.add_argument("--decode-max-batch", type=int, default=256,
                        help="the engines' --max-num-seqs")
+    serve.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                       help="the engines' --max-num-batched-tokens (vLLM's default: 2048 on "
+                       "CPUs and most GPUs, 8192 on H100/H200, 16384 on B200): prompts "
+                       "waiting together are prefilled in steps of N tokens, and a request's "
+                       "first token comes with the later prompts that fill its last step "
+                       "(default: priced one prompt after the other)")
     serve.add_argument("--cache-blocks", type=int, default=1 << 20,
                        help="blocks remembered per instance (least recently routed dropped)")
     serve.add_argument("--tokenizer", help="Hugging Face tokenizer of the model, for exact "
@@ -240,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
                                      health_timeout_s=args.health_timeout,
                                      kv_events_timeout_s=args.kv_events_timeout, store=store,
                                      correct_ttft=not args.no_ttft_correction,
-                                     slo_quantile=args.slo_quantile),
+                                     slo_quantile=args.slo_quantile,
+                                     prefill_step_tokens=args.max_num_batched_tokens),
                         Hasher(args.block_tokens, tokenize), pool)
     except ValueError as exc:
         sys.exit(f"mooncake-conductor: {exc}")

@@ -387,6 +387,41 @@ def test_a_slot_wait_counts_no_prefill_time_that_has_already_run():
     assert inst.slot_wait_s(now, 2, 0.01) == pytest.approx(0.19)
 
 
+def test_prompts_prefilled_in_one_step_give_their_first_tokens_together():
+    """vLLM prefills what waits in steps of --max-num-batched-tokens: with 8192, three
+    1792-token prompts that came while a fourth prefilled go in one step, so the first
+    two get their first token with the third (0.1 s of model prefill each); with 2048 a
+    step holds the end of one prompt and the start of the next. The one prefilling now
+    and the newest keep their estimates; each later token is counted once."""
+    from mooncake_plugins.conductor.router.instances import _Flight
+
+    def flights(now: float) -> dict[str, _Flight]:
+        return {name: _Flight(now - ago, 0.1, 1792, model_ttft_s=ttft, expected_ttft_s=2 * ttft,
+                              tokens=1792)
+                for name, ago, ttft in (("a", 0.05, 0.1), ("b", 0.003, 0.15),
+                                        ("c", 0.002, 0.25), ("x", 0.001, 0.35))}
+
+    pool = Pool()
+    inst = pool.add("http://127.0.0.1:1")
+    now = pool.now()
+    f = flights(now)
+    inst.flights.update(enumerate(f.values()))
+    inst.batch_prefills(8192, now, ratio=2.0)
+    inst.batch_prefills(8192, now, ratio=2.0)   # nothing new: nothing moves
+    assert [f[n].model_ttft_s for n in "abcx"] == pytest.approx([0.1, 0.35, 0.35, 0.35])
+    assert [f[n].expected_ttft_s for n in "abcx"] == pytest.approx([0.2, 0.7, 0.7, 0.7])
+    inst.flights[9] = y = _Flight(now, 0.1, 1792, model_ttft_s=0.45, tokens=1792)
+    inst.batch_prefills(8192, now)
+    assert [f[n].model_ttft_s for n in "abcx"] + [y.model_ttft_s] == pytest.approx(
+        [0.1, 0.45, 0.45, 0.45, 0.45])
+    inst.flights.clear()
+    f = flights(now)
+    inst.flights.update(enumerate(f.values()))
+    inst.batch_prefills(2048, now)
+    assert [f[n].model_ttft_s for n in "abcx"] == pytest.approx(
+        [0.1, 0.15 + 0.1 * 256 / 1792, 0.25 + 0.1 * 512 / 1792, 0.35])
+
+
 def test_ttft_estimates_learn_an_instance_slower_than_the_model():
     """The engine prefills 3x slower than the cost model says. Non-streamed answers (whose
     first byte is their last) teach nothing; streamed ones do, and then a request the

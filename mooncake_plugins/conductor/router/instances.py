@@ -45,6 +45,8 @@ class _Flight:
     expected_ttft_s: float = 0.0   # the estimate the request was admitted on
     timed: bool = False         # streamed: its first answer byte is its first token, and
                                 # teaches the TTFT ratio
+    tokens: int = 0             # prompt tokens it computes (not cached)
+    batched_tokens: int = 0     # later prompts' tokens counted in its last prefill step
 
 
 @dataclass
@@ -130,6 +132,53 @@ class Instance:
         if external:
             start = max(start, self.external_seen_s + external * ratio)
         return left + max(0.0, sum(f.prefill_s for f in waiting) - max(0.0, now - start) / ratio)
+
+    def batch_prefills(self, step_tokens: int, now: float, ratio: float = 1.0) -> None:
+        """vLLM prefills what waits in steps of up to ``step_tokens`` tokens (its
+        ``--max-num-batched-tokens``), first come first served, the last prompt of a step
+        chunked; a prompt's first token comes at the end of the step that holds its last
+        token, so the prompts that came after it and fill that step delay it. After a
+        request joined: every request waiting here that has not started (in the queue
+        order of :meth:`queue_s`, one after the other at ``ratio`` times the model's
+        time) has its expected TTFT moved later by the model's time for those later
+        tokens (each counted once), which keeps the TTFT ratio learned from it and the
+        overdue rule of :meth:`ttft_ratio` true to what the model predicts."""
+        waiting = sorted((f for f in self.flights.values() if not f.first_token),
+                         key=lambda f: f.started_s)
+        if len(waiting) < 2:
+            return
+        t = waiting[0].started_s
+        external = self.external_waiting * self.external_prefill_s
+        if external:
+            t = max(t, self.external_seen_s + external * ratio)
+        future = []   # not started: they are prefilled in steps after the current one
+        for f in waiting:
+            t = max(t, f.started_s)
+            if t > now or f is waiting[-1]:
+                future.append(f)
+            t += f.prefill_s * ratio
+        ends = []
+        total = 0
+        for f in future:
+            total += f.tokens
+            ends.append(total)
+        for i, (f, end) in enumerate(zip(future[:-1], ends)):
+            step_end = min(-(-end // step_tokens) * step_tokens, total)
+            extra = step_end - end
+            if extra <= f.batched_tokens:
+                continue
+            delay, at = 0.0, end   # model time of the later tokens (end + counted, end + extra]
+            lo, hi = end + f.batched_tokens, end + extra
+            for g, g_end in zip(future[i + 1:], ends[i + 1:]):
+                overlap = min(hi, g_end) - max(lo, at)
+                if overlap > 0 and g.tokens:
+                    delay += g.prefill_s * overlap / g.tokens
+                at = g_end
+                if at >= hi:
+                    break
+            f.batched_tokens = extra
+            f.model_ttft_s += delay
+            f.expected_ttft_s += delay * ratio
 
     def slot_wait_s(self, now: float, slots: int, step_s: float, ratio: float = 1.0
                     ) -> float:

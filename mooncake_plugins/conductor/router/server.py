@@ -79,6 +79,11 @@ class RouterConfig:
     this quantile of the recent measured / estimated TTFT ratios, breaks the TTFT SLO
     (0.9: the requests served meet it about 9 times in 10 while estimates err as they
     did lately). None: refuse on the estimate alone."""
+    prefill_step_tokens: int | None = None
+    """The engines' ``--max-num-batched-tokens``: they prefill what waits in steps of up
+    to this many tokens, so a request's first token comes with the later prompts that
+    fill its last step (:meth:`~.instances.Instance.batch_prefills`). None: one prompt
+    after the other."""
 
 
 ERROR_WINDOW = 64
@@ -132,6 +137,9 @@ class Router:
         self._other_blocks: set[str] = set()  # instances of another block size, logged
         if config.slo_quantile is not None and not 0 < config.slo_quantile < 1:
             raise ValueError(f"the SLO quantile must be in (0, 1), got {config.slo_quantile}")
+        if config.prefill_step_tokens is not None and config.prefill_step_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got "
+                             f"{config.prefill_step_tokens}")
         if not (config.health_interval_s > 0 and config.health_timeout_s > 0
                 and config.slow_checks_to_take_out >= 1):
             raise ValueError(f"health checks need a positive interval and timeout and at "
@@ -190,7 +198,10 @@ class Router:
                                        output_tokens=req.max_tokens or DEFAULT_OUTPUT_TOKENS,
                                        model_ttft_s=model_s,
                                        expected_ttft_s=decision.predicted_ttft_s,
-                                       timed=req.stream)
+                                       timed=req.stream, tokens=req.input_length - cached)
+        if self.config.prefill_step_tokens:
+            prefill.batch_prefills(self.config.prefill_step_tokens, now,
+                                   view.expected_ttft_s(decision.prefill, 1.0))
         first = now + decision.predicted_ttft_s   # P/D: at the decode, after the handoff
         prefill.learn(req.hash_ids, first - self.handoff_s(req.input_length, prefill, decode),
                       self.pool.cache_blocks)

@@ -400,3 +400,60 @@ def test_an_overload_is_refused_before_it_reaches_an_engine(tiny_llama, tmp_path
         assert served == codes.count(200), (served, answers)
         assert _counter(http(f"{router}/metrics"), "conductor_rejected_total") == \
             codes.count(429)
+
+
+def test_prompts_batched_into_one_prefill_step_are_priced_together(tiny_llama, tmp_path):
+    """An engine with --max-num-batched-tokens 8192 prefills the three 1,792-token prompts
+    of a burst of four that came while the first prefilled in one step: their first
+    tokens come together, with the last. A router told so (--max-num-batched-tokens)
+    expects that, and learns a TTFT ratio near what the engine runs at; one that prices
+    the prompts one after the other sees the first two of those three late and learns
+    the engine slower than it is. Bursts through both routers in turn over the same
+    engine, its cost model calibrated on it."""
+    rpc = tempfile.mkdtemp(prefix="vllm-rpc-")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs: list[subprocess.Popen] = []
+    try:
+        with open(tmp_path / "engine.out", "wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                 tiny_llama, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+                 "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "8192", "--skip-tokenizer-init", "--seed", "0"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env=engine_env(tmp_path, "engine", rpc, "0")))
+        wait_until(lambda: procs[0].poll() is not None or http_up(f"{url}/health"), START_S, 0.5)
+        assert procs[0].poll() is None, (tmp_path / "engine.out").read_text()[-4000:]
+        cost = tmp_path / "cost.json"
+        proc = subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
+                               "calibrate", "--instance", url, "--model", tiny_llama,
+                               "--lengths", f"128,512,1024,{14 * BLOCK}", "--repeats", "2",
+                               "--out", str(cost)], capture_output=True, text=True,
+                              timeout=300,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert proc.returncode == 0, proc.stderr
+        args = ["--policy", "conductor", "--slo-ttft", "100", "--slo-tbt", "100",
+                "--cost-model", str(cost)]
+        told, untold = (_start_router([url], args + extra, free_port(),
+                                      tmp_path / f"router{i}.out", procs)
+                        for i, extra in enumerate((["--max-num-batched-tokens", "8192"], [])))
+
+        def ask(router: str, seed: int) -> None:
+            answer = http(f"{router}/v1/completions", {
+                "model": tiny_llama, "prompt": prompt_tokens(14 * BLOCK, seed),
+                "max_tokens": 4, "ignore_eos": True, "temperature": 0.0, "stream": True})
+            assert answer is not None
+
+        with ThreadPoolExecutor(4) as pool:
+            for burst in range(6):
+                router = (told, untold)[burst % 2]
+                list(pool.map(ask, [router] * 4, range(100 + 4 * burst, 104 + 4 * burst)))
+        ratios = {r: http(f"{r}/instances")[0]["ttft_ratio"] for r in (told, untold)}
+        assert all(http(f"{r}/instances")[0]["ttft_samples"] == 12 for r in ratios), \
+            [http(f"{r}/instances") for r in ratios]
+        assert ratios[untold] > 1.1 * ratios[told], ratios
+    finally:
+        for proc in procs:
+            terminate_group(proc, timeout_s=30)
+        shutil.rmtree(rpc, ignore_errors=True)
