@@ -842,3 +842,11 @@ def test_the_engines_last_reading_ages_until_the_next():
     view = LiveView(pool, 16, 2, step_s=0.01)
     assert view.prefill_queue_s(0) == 0.0
     assert view.decode_forecast(0, pool.now()).requests == 0
+    # two waiting at a reading: each prefills 0.1 s after the one before, then decodes
+    # 10 steps of 0.01 s: they leave the forecast 0.2 and 0.3 s after the reading
+    seen = pool.now()
+    inst.observe_engine(EngineLoad(running=0, waiting=2, mean_prompt_tokens=100.0,
+                                   mean_output_tokens=10.0), lambda n: n * 1e-3, seen)
+    view = LiveView(pool, 16, 8, step_s=0.01)
+    assert [view.decode_forecast(0, seen + dt).requests for dt in (0.0, 0.25, 0.35)] == \
+        [2, 1, 0]

@@ -199,7 +199,7 @@ class Router:
                                        model_ttft_s=model_s,
                                        expected_ttft_s=decision.predicted_ttft_s,
                                        timed=req.stream, tokens=req.input_length - cached)
-        if self.config.prefill_step_tokens:
+        if self.config.prefill_step_tokens:   # at the TTFT ratio the view priced it with
             prefill.batch_prefills(self.config.prefill_step_tokens, now,
                                    view.expected_ttft_s(decision.prefill, 1.0))
         first = now + decision.predicted_ttft_s   # P/D: at the decode, after the handoff

@@ -85,7 +85,8 @@ class LiveView:
         predicted to have ended by then, those prefilling here (they decode here next),
         P/D requests prefilling elsewhere predicted to have reached it by then and not
         ended, and the external requests the engine last reported (those running until
-        :meth:`~.instances.Instance.external_end_s`)."""
+        :meth:`~.instances.Instance.external_end_s`, those waiting until they prefilled
+        one after the other from the reading and decoded its mean output)."""
         inst = self.decode[instance]
         requests, context = 0, 0
         for rid, tokens in inst.decoding.items():
@@ -97,8 +98,12 @@ class LiveView:
         for first_s, last_s, tokens in inst.joining.values():
             if first_s <= at_s < last_s:
                 requests, context = requests + 1, context + tokens
-        external = inst.external_waiting
-        if at_s < inst.external_end_s(self._decode_step_s(inst)):
+        step_s = self._decode_step_s(inst)
+        # those waiting at the reading prefill one after the other from it, then decode
+        decoded_s = inst.external_seen_s + inst.external_output * step_s
+        external = sum(at_s < decoded_s + k * inst.external_prefill_s
+                       for k in range(1, inst.external_waiting + 1))
+        if at_s < inst.external_end_s(step_s):
             external += inst.external_running
         requests, context = requests + external, context + external * inst.external_context
         return DecodeForecast(requests, float(context))
