@@ -422,6 +422,24 @@ def test_prompts_prefilled_in_one_step_give_their_first_tokens_together():
         [0.1, 0.15 + 0.1 * 256 / 1792, 0.25 + 0.1 * 512 / 1792, 0.35])
 
 
+def test_a_slot_wait_is_scaled_by_the_ttft_ratio_once():
+    """The policy scales the queue by the instance's TTFT ratio; the slot wait, predicted
+    in seconds, is given to it in the model's time: on an instance measured twice as slow
+    as its model, a slot free in 0.3 s is a wait of 0.3 s in the estimate, not 0.6 s."""
+    from mooncake_plugins.conductor.router.view import LiveView
+
+    pool = Pool()
+    inst = pool.add("http://127.0.0.1:1")
+    for _ in range(400):
+        inst.ttft.add(1.0, 2.0)
+    now = pool.now()
+    inst.decoding.update({1: 100, 2: 100})
+    inst.decode_ends.update({1: now + 0.8, 2: now + 0.3})
+    view = LiveView(pool, 16, 2, step_s=0.01)
+    assert view.expected_ttft_s(0, 1.0) == pytest.approx(2.0, rel=0.01)
+    assert view.expected_ttft_s(0, view.prefill_queue_s(0)) == pytest.approx(0.3, abs=0.01)
+
+
 def test_ttft_estimates_learn_an_instance_slower_than_the_model():
     """The engine prefills 3x slower than the cost model says. Non-streamed answers (whose
     first byte is their last) teach nothing; streamed ones do, and then a request the
@@ -530,7 +548,8 @@ def test_the_decode_pace_is_learned_from_streamed_answers():
     from mooncake_plugins.conductor.router.instances import _Flight
     inst.flights[2] = _Flight(now, 0.0, 100, output_tokens=11)
     raw = LiveView(r.pool, 16, 1, step_s=0.002, correct=False).prefill_queue_s(0)
-    learned = LiveView(r.pool, 16, 1, step_s=0.002).prefill_queue_s(0)
+    view = LiveView(r.pool, 16, 1, step_s=0.002)
+    learned = view.expected_ttft_s(0, view.prefill_queue_s(0))   # in seconds again
     assert raw == pytest.approx(1.02, abs=0.01)
     assert learned == pytest.approx(1.0 + 0.02 * inst.tbt.ratio, abs=0.01)
 

@@ -62,11 +62,13 @@ class LiveView:
 
     def prefill_queue_s(self, instance: int) -> float:
         inst = self.prefill[instance]
-        queue = inst.queue_s(self._now, self._ratios[instance])
+        ratio = self._ratios[instance]
+        queue = inst.queue_s(self._now, ratio)
         if self._colocated:   # a prefill also waits for a free slot
+            # the queue is in the model's time (the policy's estimate is scaled by the
+            # ratio); the slot wait is predicted in seconds: taken back to model time
             queue = max(queue, inst.slot_wait_s(self._now, self._max_batch,
-                                                self._decode_step_s(inst),
-                                                self._ratios[instance]))
+                                                self._decode_step_s(inst), ratio) / ratio)
         return queue
 
     def _decode_step_s(self, inst: Instance) -> float:
