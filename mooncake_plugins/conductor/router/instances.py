@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from itertools import accumulate
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -123,15 +124,31 @@ class Instance:
         model got through ``1 / ratio`` of the model's work a second. External
         requests waiting at the engine's last reading go first: their prefill, less what
         has run since that reading; the router's own start after them."""
-        external = self.external_waiting * self.external_prefill_s
-        left = max(0.0, external - (now - self.external_seen_s) / ratio)
-        waiting = [f for f in self.flights.values() if not f.first_token]
+        left = max(0.0, self._external_prefill_s - (now - self.external_seen_s) / ratio)
+        waiting = self._waiting()
         if not waiting:
             return left
-        start = min(f.started_s for f in waiting)
-        if external:
-            start = max(start, self.external_seen_s + external * ratio)
+        start = self._chain_start_s(waiting[0], ratio)
         return left + max(0.0, sum(f.prefill_s for f in waiting) - max(0.0, now - start) / ratio)
+
+    @property
+    def _external_prefill_s(self) -> float:
+        """Model prefill time of the external requests waiting at the last reading."""
+        return self.external_waiting * self.external_prefill_s
+
+    def _waiting(self) -> list[_Flight]:
+        """The router's requests here still waiting for their first token, oldest first."""
+        return sorted((f for f in self.flights.values() if not f.first_token),
+                      key=lambda f: f.started_s)
+
+    def _chain_start_s(self, oldest: _Flight, ratio: float) -> float:
+        """When the router's waiting requests start to prefill, one after the other: as
+        the oldest came, but not before the external ones waiting at the last reading
+        are through (``ratio`` times the model's time after it)."""
+        external = self._external_prefill_s
+        if not external:
+            return oldest.started_s
+        return max(oldest.started_s, self.external_seen_s + external * ratio)
 
     def batch_prefills(self, step_tokens: int, now: float, ratio: float = 1.0) -> None:
         """vLLM prefills what waits in steps of up to ``step_tokens`` tokens (its
@@ -143,25 +160,18 @@ class Instance:
         time) has its expected TTFT moved later by the model's time for those later
         tokens (each counted once), which keeps the TTFT ratio learned from it and the
         overdue rule of :meth:`ttft_ratio` true to what the model predicts."""
-        waiting = sorted((f for f in self.flights.values() if not f.first_token),
-                         key=lambda f: f.started_s)
+        waiting = self._waiting()
         if len(waiting) < 2:
             return
-        t = waiting[0].started_s
-        external = self.external_waiting * self.external_prefill_s
-        if external:
-            t = max(t, self.external_seen_s + external * ratio)
+        t = self._chain_start_s(waiting[0], ratio)
         future = []   # not started: they are prefilled in steps after the current one
         for f in waiting:
             t = max(t, f.started_s)
             if t > now or f is waiting[-1]:
                 future.append(f)
             t += f.prefill_s * ratio
-        ends = []
-        total = 0
-        for f in future:
-            total += f.tokens
-            ends.append(total)
+        ends = list(accumulate(f.tokens for f in future))
+        total = ends[-1]
         for i, (f, end) in enumerate(zip(future[:-1], ends)):
             step_end = min(-(-end // step_tokens) * step_tokens, total)
             extra = step_end - end
@@ -198,8 +208,7 @@ class Instance:
         heapq.heapify(ends)
         queued = [(self.external_seen_s, self.external_prefill_s, self.external_output)
                   ] * self.external_waiting
-        queued += [(f.started_s, f.prefill_s, f.output_tokens) for f in sorted(
-            (f for f in self.flights.values() if not f.first_token), key=lambda f: f.started_s)]
+        queued += [(f.started_s, f.prefill_s, f.output_tokens) for f in self._waiting()]
         prefill_free = 0.0
         for came, prefill_s, output_tokens in queued:
             start = max(came, heapq.heappop(ends)) if len(ends) >= slots else came

@@ -201,7 +201,7 @@ class Router:
                                        timed=req.stream, tokens=req.input_length - cached)
         if self.config.prefill_step_tokens:   # at the TTFT ratio the view priced it with
             prefill.batch_prefills(self.config.prefill_step_tokens, now,
-                                   view.expected_ttft_s(decision.prefill, 1.0))
+                                   view.ttft_ratio(decision.prefill))
         first = now + decision.predicted_ttft_s   # P/D: at the decode, after the handoff
         prefill.learn(req.hash_ids, first - self.handoff_s(req.input_length, prefill, decode),
                       self.pool.cache_blocks)

@@ -112,3 +112,7 @@ class LiveView:
 
     def expected_ttft_s(self, instance: int, model_ttft_s: float) -> float:
         return model_ttft_s * self._ratios[instance]
+
+    def ttft_ratio(self, instance: int) -> float:
+        """Measured / model time to first token that prefill ``instance`` is priced at."""
+        return self._ratios[instance]
