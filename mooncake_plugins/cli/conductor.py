@@ -52,6 +52,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=64,
                         help="decode batch size limit (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0, metavar="N",
+                        help="the engines' --max-num-batched-tokens: prompts waiting at an "
+                             "instance are prefilled together in steps of N tokens; 0 = one "
+                             "after the other (default: %(default)s)")
     parser.add_argument("--ttft-slo-ms", type=float, default=30_000.0,
                         help="TTFT objective, ms (default: %(default)s)")
     parser.add_argument("--tbt-slo-ms", type=float, default=100.0,
@@ -157,7 +161,8 @@ def _jsonable(value: Any) -> Any:
 def _run(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[str, Any]:
     cluster = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode,
                             cache_tokens=args.cache_tokens, pool_tokens=args.pool_tokens,
-                            decode_max_batch=args.max_batch)
+                            decode_max_batch=args.max_batch,
+                            prefill_step_tokens=args.max_num_batched_tokens)
     slo = Slo(ttft_s=args.ttft_slo_ms / 1e3, tbt_s=args.tbt_slo_ms / 1e3)
     names = list(POLICY_NAMES) if args.compare else [args.policy]
     replays = len(names) * (1 + (len(_CACHE_FACTORS) + len(_RATE_FACTORS) if args.plot else 0))

@@ -5,6 +5,8 @@
   model on 8 GPUs, as in the Mooncake paper).
 - :mod:`.policies`: scheduling policies behind one ``choose(request, view)`` interface,
   usable by the simulator and by a request proxy alike.
+- :mod:`.prefill_steps`: vLLM's prefill steps (``--max-num-batched-tokens``), priced
+  alike by the simulator and the router.
 - :mod:`.sim`: discrete-event replay of a trace on N prefill + M decode instances with
   LRU block caches and an optional global pool; hit rate, TTFT/TBT, SLO attainment and
   effective request capacity.

@@ -37,6 +37,12 @@ Model (one replay, single-threaded, deterministic for a given policy seed):
   earlier on an instance fix its timeline up to a new request's start (FIFO, and later
   prefills start later), so that start is found when the request is scheduled, by
   running the instance's batch forward.
+- ``prefill_step_tokens`` (vLLM's ``--max-num-batched-tokens``; 0: off): the prompts
+  waiting at an instance are prefilled together in steps of so many tokens
+  (:mod:`.prefill_steps`). A prompt that joins a queue of prompts not yet started moves
+  the first token, the decode join, the blocks' ready time (and, colocated, the slot
+  release) of each prompt sharing its step later; the instance is no busier. Those
+  JOIN events already pushed are superseded (``join_at``).
 - Metrics: TTFT = first token - arrival. TBT = (finish - first token) / (output - 1),
   the mean gap after the first token (vLLM's TPOT), so a late KV transfer and waiting
   for a decode slot count against it. A request meets the SLO when it is served and both
@@ -58,6 +64,7 @@ from dataclasses import dataclass, field
 from ..errors import InvalidArgument
 from .costmodel import CostModel
 from .policies import POOL, DecodeForecast, Policy, PrefixHit, Slo
+from .prefill_steps import queue_at, step_delays
 from .traces import BLOCK_TOKENS, TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -94,6 +101,10 @@ class ClusterConfig:
             instance prefills too (instances sharing one host's cores, as in a test bed:
             time one engine alone and all side by side); scaled by the share of the
             others busy when it starts. 1.0: instances have their own hardware.
+        prefill_step_tokens: the engines' ``--max-num-batched-tokens``: prompts waiting
+            at an instance are prefilled together in steps of so many tokens, and a
+            prompt's first token comes at the end of the step holding its last token
+            (:mod:`.prefill_steps`); 0: one prompt after the other.
     """
 
     num_prefill: int = 8
@@ -106,6 +117,7 @@ class ClusterConfig:
     cost: CostModel = field(default_factory=CostModel)
     colocated: bool = False
     shared_slowdown: float = 1.0
+    prefill_step_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.shared_slowdown >= 1.0:
@@ -117,7 +129,8 @@ class ClusterConfig:
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"ClusterConfig.{name} must be >= 1, "
                                       f"got {getattr(self, name)}")
-        for name in ("cache_tokens", "pool_tokens", "decode_tokens_prior"):
+        for name in ("cache_tokens", "pool_tokens", "decode_tokens_prior",
+                     "prefill_step_tokens"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"ClusterConfig.{name} must be >= 0, "
                                       f"got {getattr(self, name)}")
@@ -281,6 +294,14 @@ class LruBlockCache:
             if block in blocks:
                 blocks.move_to_end(block)
 
+    def delay(self, hash_ids: Sequence[int], ready_s: float, later_s: float) -> None:
+        """The blocks of ``hash_ids`` added to be computed at ``ready_s`` are computed at
+        ``later_s`` instead; does not count as a use."""
+        blocks = self._blocks
+        for block in hash_ids:
+            if blocks.get(block) == ready_s:
+                blocks[block] = later_s
+
     def insert(self, hash_ids: Sequence[int], ready_s: float) -> None:
         """Use ``hash_ids``: refresh the cached ones, add the rest, then evict down to capacity.
 
@@ -299,6 +320,18 @@ class LruBlockCache:
             self.evictions += excess
             for _ in range(excess):
                 blocks.popitem(last=False)
+
+
+class _Queued:
+    """A prompt scheduled on a prefill instance that has not started to prefill."""
+
+    __slots__ = ("index", "start_s", "end_s", "tokens", "prefill_s", "counted", "at")
+
+    def __init__(self, index: int, start_s: float, end_s: float, tokens: int,
+                 prefill_s: float) -> None:
+        self.index, self.start_s, self.end_s = index, start_s, end_s
+        self.tokens, self.prefill_s, self.counted = tokens, prefill_s, 0
+        self.at = 0   # prompt tokens queued before it since its queue's first prompt
 
 
 class _DecodeInstance:
@@ -348,12 +381,16 @@ class _Replay:
             deque() for _ in range(cluster.num_prefill if cluster.colocated else 0)]
         # colocated: requests holding a slot but not yet decoding, (prefill end, index)
         self.holding: list[deque[tuple[float, int]]] = [deque() for _ in self.prefills]
+        # prefill steps: each instance's prompts not started, back to back, in order
+        self.queued: list[deque[_Queued]] = [
+            deque() for _ in range(cluster.num_prefill if cluster.prefill_step_tokens else 0)]
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0
         n = len(requests)
         self.ttft = [math.nan] * n
         self.first_token = [0.0] * n
+        self.join_at = [math.nan] * n   # a request's JOIN event in effect (steps move it)
         self.finish = [math.nan] * n
         self.decisions: list[tuple[int, int, int, int, int | str | None, str | None]] = []
         self.done_decode_tokens = 0
@@ -460,7 +497,8 @@ class _Replay:
         length, ids = request.input_length, request.hash_ids
         cache = self.caches[instance]
         local, ready_s = cache.prefix(ids)
-        start_s = max(now, self.busy_until[instance], ready_s)
+        after_s = self.busy_until[instance]
+        start_s = max(now, after_s, ready_s)
         if cluster.colocated:
             start_s = self._slot_free_s(instance, start_s)
         reused = local
@@ -487,14 +525,13 @@ class _Replay:
         cache.insert(ids, end_s)
         if self.pool is not None:
             self.pool.insert(ids, end_s)
-        if cluster.colocated:
-            first_s = joins_s = end_s
-        elif cost.kv_streamed_during_prefill:
-            first_s, joins_s = end_s, max(end_s, start_s + cost.kv_transfer_s(length))
-        else:
-            first_s = joins_s = end_s + cost.handoff_s(length)
+        first_s, joins_s = self._first_and_join(start_s, end_s, length)
         self.ttft[index] = first_s - now
         self.first_token[index] = first_s
+        if self.queued:
+            self._batch_prefills(instance, _Queued(index, start_s, end_s,
+                                                   length - min(reused * bt, length), prefill_s),
+                                 start_s > after_s)
         if request.output_length <= 1:
             self.finish[index] = first_s
             self.decisions.append((instance, -1, local, reused, source, None))
@@ -503,7 +540,63 @@ class _Replay:
         d = self.decodes[decode]
         d.incoming += 1
         d.pending_input += length
+        self.join_at[index] = joins_s
         self._push(joins_s, _JOIN, decode, index)
+
+    def _first_and_join(self, start_s: float, end_s: float, length: int
+                        ) -> tuple[float, float]:
+        """A prefill of ``length`` tokens over ``[start_s, end_s]``: when its first token
+        comes and when it joins its decode batch."""
+        cost = self.cost
+        if self.cluster.colocated:
+            return end_s, end_s
+        if cost.kv_streamed_during_prefill:
+            return end_s, max(end_s, start_s + cost.kv_transfer_s(length))
+        first_s = end_s + cost.handoff_s(length)
+        return first_s, first_s
+
+    def _batch_prefills(self, instance: int, new: _Queued, after_gap: bool) -> None:
+        """``new`` was scheduled on ``instance``: the prompts there that have not started
+        and that it follows back to back (``after_gap``: it waits for a prefix or a slot
+        after them, so it shares no step with them) are prefilled with it in steps of
+        ``prefill_step_tokens``; those its tokens join in their last step get their first
+        token (and their decode, and their blocks) later by the prefill time of those
+        tokens."""
+        queue = self.queued[instance]
+        while queue and queue[0].start_s <= self.now:
+            queue.popleft()   # started: its steps are under way
+        if after_gap:
+            queue.clear()
+        if new.start_s <= self.now:
+            return   # it starts now, so every prompt before it has started
+        new.at = queue_at(queue)
+        queue.append(new)
+        for q, counted, delay in step_delays(queue, self.cluster.prefill_step_tokens):
+            q.counted = counted
+            self._delay_prefill(instance, q, delay)
+
+    def _delay_prefill(self, instance: int, q: _Queued, delay: float) -> None:
+        """Queued ``q``'s prefill on ``instance`` ends ``delay`` seconds later (its
+        instance is no busier: its step is shared with later prompts)."""
+        index, request = q.index, self.requests[q.index]
+        ended_s, q.end_s = q.end_s, q.end_s + delay
+        self.caches[instance].delay(request.hash_ids, ended_s, q.end_s)
+        if self.pool is not None:
+            self.pool.delay(request.hash_ids, ended_s, q.end_s)
+        first_s, joins_s = self._first_and_join(q.start_s, q.end_s, request.input_length)
+        self.ttft[index] += first_s - self.first_token[index]
+        self.first_token[index] = first_s
+        if self.holding:
+            holding = self.holding[instance]
+            for k in range(len(holding) - 1, -1, -1):
+                if holding[k][1] == index:
+                    holding[k] = (q.end_s, index)
+                    break
+        if request.output_length <= 1:
+            self.finish[index] = first_s
+        else:   # the JOIN pushed before no longer counts
+            self.join_at[index] = joins_s
+            self._push(joins_s, _JOIN, self.decisions[index][1], index)
 
     def _source(self, source: int | str, instance: int) -> LruBlockCache:
         if source == POOL:
@@ -522,6 +615,8 @@ class _Replay:
         d = self.decodes[instance]
         if kind == _FINISH and arg != d.version:
             return  # superseded by a later change of the batch
+        if kind == _JOIN and time_s != self.join_at[arg]:
+            return  # moved later: its prefill step was shared with later prompts
         if d.running:
             d.v += self._stepping_s(instance, d.t, time_s) / d.step_s
         d.t = time_s

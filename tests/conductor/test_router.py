@@ -389,24 +389,27 @@ def test_a_slot_wait_counts_no_prefill_time_that_has_already_run():
 
 def test_prompts_prefilled_in_one_step_give_their_first_tokens_together():
     """vLLM prefills what waits in steps of --max-num-batched-tokens: with 8192, three
-    1792-token prompts that came while a fourth prefilled go in one step, so the first
-    two get their first token with the third (0.1 s of model prefill each); with 2048 a
-    step holds the end of one prompt and the start of the next. The one prefilling now
-    and the newest keep their estimates; each later token is counted once."""
+    1792-token prompts that came one by one while a fourth prefilled go in one step, so
+    the first two get their first token with the third (0.1 s of model prefill each);
+    with 2048 a step holds the end of one prompt and the start of the next. The one
+    prefilling now and the newest keep their estimates; each later token is counted
+    once; a prompt that came after all before it started begins a queue of its own."""
     from mooncake_plugins.conductor.router.instances import _Flight
 
-    def flights(now: float) -> dict[str, _Flight]:
-        return {name: _Flight(now - ago, 0.1, 1792, model_ttft_s=ttft, expected_ttft_s=2 * ttft,
-                              tokens=1792)
-                for name, ago, ttft in (("a", 0.05, 0.1), ("b", 0.003, 0.15),
-                                        ("c", 0.002, 0.25), ("x", 0.001, 0.35))}
+    def admit(inst, step: int, now: float, ratio: float = 1.0) -> dict[str, _Flight]:
+        flights = {}
+        for rid, (name, ago, ttft) in enumerate((("a", 0.05, 0.1), ("b", 0.003, 0.15),
+                                                 ("c", 0.002, 0.25), ("x", 0.001, 0.35))):
+            flights[name] = inst.flights[rid] = _Flight(
+                now - ago, 0.1, 1792, model_ttft_s=ttft, expected_ttft_s=ratio * ttft,
+                tokens=1792)
+            inst.batch_prefills(step, now, ratio)
+        return flights
 
     pool = Pool()
     inst = pool.add("http://127.0.0.1:1")
     now = pool.now()
-    f = flights(now)
-    inst.flights.update(enumerate(f.values()))
-    inst.batch_prefills(8192, now, ratio=2.0)
+    f = admit(inst, 8192, now, ratio=2.0)
     inst.batch_prefills(8192, now, ratio=2.0)   # nothing new: nothing moves
     assert [f[n].model_ttft_s for n in "abcx"] == pytest.approx([0.1, 0.35, 0.35, 0.35])
     assert [f[n].expected_ttft_s for n in "abcx"] == pytest.approx([0.2, 0.7, 0.7, 0.7])
@@ -415,11 +418,14 @@ def test_prompts_prefilled_in_one_step_give_their_first_tokens_together():
     assert [f[n].model_ttft_s for n in "abcx"] + [y.model_ttft_s] == pytest.approx(
         [0.1, 0.45, 0.45, 0.45, 0.45])
     inst.flights.clear()
-    f = flights(now)
-    inst.flights.update(enumerate(f.values()))
-    inst.batch_prefills(2048, now)
+    f = admit(inst, 2048, now)
     assert [f[n].model_ttft_s for n in "abcx"] == pytest.approx(
         [0.1, 0.15 + 0.1 * 256 / 1792, 0.25 + 0.1 * 512 / 1792, 0.35])
+    # once b, c and x started (0.3 s of model prefill on), the next one queues alone
+    later = now + 0.31
+    inst.flights[9] = z = _Flight(later, 0.1, 1792, model_ttft_s=0.1, tokens=1792)
+    inst.batch_prefills(2048, later)
+    assert (z.at, f["x"].model_ttft_s) == (0, pytest.approx(0.35))
 
 
 def test_a_slot_wait_is_scaled_by_the_ttft_ratio_once():

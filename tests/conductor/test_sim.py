@@ -362,3 +362,174 @@ def test_the_pool_shows_a_prefix_only_once_its_prefill_ended() -> None:
     result = _run([a, busy, after], LoadBalancePolicy(COST), pool_tokens=100_000)
     assert result.outcomes[2].prefill == 1
     assert (result.outcomes[2].reused_blocks, result.outcomes[2].pull_from) == (8, "pool")
+
+
+# ---- prefill steps (vLLM's --max-num-batched-tokens) -------------------------------------
+
+def _stepped(requests: list[TraceRequest], steps: int, **config) -> SimResult:
+    config = {"num_prefill": 1, "num_decode": 1, "decode_max_batch": 8, **config}
+    cluster = ClusterConfig(cost=FLAT, prefill_step_tokens=steps, **config)
+    return simulate(requests, LoadBalancePolicy(FLAT), cluster, SLO, keep_outcomes=True)
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_prompts_prefilled_in_one_step_get_their_first_tokens_together(colocated: bool) -> None:
+    """Four 1024-token prompts arrive together: the first starts alone; the other three
+    wait and share one step of 8192 tokens, so their first tokens come with the last's,
+    and they join the decode batch together then (the JOINs first planned are dropped).
+    In steps of 2048 the second shares its step with the third only. The last prompt's
+    first token is where one prompt after the other puts it."""
+    requests = [_req(0, (2 * i + 1, 2 * i + 2), output=11) for i in range(4)]
+    p = FLAT.prefill_s(1024)
+    alone = _stepped(requests, 0, colocated=colocated)
+    assert [o.ttft_s for o in alone.outcomes] == pytest.approx([p, 2 * p, 3 * p, 4 * p])
+    big = _stepped(requests, 8192, colocated=colocated)
+    assert [o.ttft_s for o in big.outcomes] == pytest.approx([p, 4 * p, 4 * p, 4 * p])
+    _, b, c, d = big.outcomes
+    assert b.tbt_s == pytest.approx(c.tbt_s) and c.tbt_s == pytest.approx(d.tbt_s)
+    assert b.tbt_s == pytest.approx(0.01)   # all three decode together from 4p on
+    small = _stepped(requests, 2048, colocated=colocated)
+    assert [o.ttft_s for o in small.outcomes] == pytest.approx([p, 3 * p, 3 * p, 4 * p])
+    assert all(o.tbt_s > 0 for o in big.outcomes + small.outcomes)
+
+
+def test_a_step_delay_moves_when_the_prefix_is_ready_and_a_single_token_finish() -> None:
+    """A queued prompt that shares its step with a later one has its blocks computed at
+    that step's end: the one after them that reuses its prefix starts no earlier. A
+    single-token request finishes with its (later) first token."""
+    p = FLAT.prefill_s(1024)
+    requests = [_req(0, (1, 2)), _req(0, (3, 4), output=1), _req(0, (5, 6))]
+    (_, b, c) = _stepped(requests, 8192).outcomes
+    assert b.ttft_s == pytest.approx(3 * p) and c.ttft_s == pytest.approx(3 * p)
+    cluster = ClusterConfig(num_prefill=1, num_decode=1, cost=FLAT, prefill_step_tokens=8192)
+    from mooncake_plugins.conductor.sim import _Replay
+    replay = _Replay(requests, LoadBalancePolicy(FLAT), cluster, SLO, 1.0)
+    replay.run(None)
+    assert replay.caches[0].prefix((3, 4)) == (2, pytest.approx(3 * p))
+    assert replay.finish[1] == pytest.approx(3 * p)
+
+
+def test_a_prompt_that_waits_for_a_slot_shares_no_step_with_those_before() -> None:
+    """One slot: A decodes 100 steps; B waits for A's last token, C for B's. C starts
+    after a gap, so B's first token does not wait for C's tokens."""
+    requests = [_req(0, (1, 2), output=101), _req(0, (3, 4), output=2),
+                _req(0, (5, 6), output=2)]
+    p = FLAT.prefill_s(1024)
+    a, b, c = _stepped(requests, 8192, colocated=True, decode_max_batch=1).outcomes
+    assert b.ttft_s == pytest.approx(p + 1.0 + p)
+    assert c.ttft_s == pytest.approx(b.ttft_s + 0.01 + p)
+
+
+def test_prefill_steps_are_checked() -> None:
+    with pytest.raises(InvalidArgument, match="prefill_step_tokens"):
+        ClusterConfig(prefill_step_tokens=-1)
+
+
+def test_a_prompt_delayed_by_its_step_holds_its_slot_until_then() -> None:
+    """Three slots: A decodes; B (one decode step) and C wait and share a step, so both
+    hold a slot until 3p. D, arriving at 2.5p, finds no slot free before B's step after
+    3p (not at once, as if B had joined its batch at 2p)."""
+    p = FLAT.prefill_s(1024)
+    requests = [_req(0, (1, 2), output=101), _req(0, (3, 4), output=2),
+                _req(0, (5, 6), output=101), _req(2.5 * p * 1e3, (7, 8), output=2)]
+    a, b, c, d = _stepped(requests, 8192, colocated=True, decode_max_batch=3).outcomes
+    assert b.ttft_s == pytest.approx(3 * p) and c.ttft_s == pytest.approx(3 * p)
+    assert d.ttft_s == pytest.approx(3 * p + 0.01 + p - 2.5 * p)
+
+
+def test_a_request_whose_step_ends_later_joins_its_decode_batch_once_then() -> None:
+    """P/D, a decode batch of three: A decodes 100 steps from p. B and C share their
+    prefill step with D, so they join at 4p (not at 2p and 3p as first planned) and take
+    the two free places at once; D waits for A's last token."""
+    p = FLAT.prefill_s(1024)
+    requests = [_req(0, (2 * i + 1, 2 * i + 2), output=101) for i in range(4)]
+    a, b, c, d = _stepped(requests, 8192, decode_max_batch=3).outcomes
+    assert [o.ttft_s for o in (b, c, d)] == pytest.approx([4 * p] * 3)
+    assert b.tbt_s == pytest.approx(0.01) and c.tbt_s == pytest.approx(0.01)
+    assert d.tbt_s == pytest.approx(0.01 + (p + 1.0 - 4 * p) / 100)
+
+
+def test_a_prompt_that_started_shares_no_step_with_later_arrivals() -> None:
+    """A, B and C arrive together (B and C share a step: both first at 3p); D arrives
+    at 1.5p, when B has started: D's tokens join C's step, not B's."""
+    p = FLAT.prefill_s(1024)
+    requests = [_req(0, (2 * i + 1, 2 * i + 2), output=11) for i in range(3)]
+    requests.append(_req(1.5 * p * 1e3, (7, 8), output=11))
+    a, b, c, d = _stepped(requests, 8192).outcomes
+    assert [o.ttft_s for o in (a, b, c, d)] == pytest.approx([p, 3 * p, 4 * p, 2.5 * p])
+
+
+# ---- prefill steps: properties over random traces -----------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from mooncake_plugins.conductor.policies import RoundRobinPolicy  # noqa: E402
+
+_traces = st.lists(
+    st.tuples(st.integers(0, 400),                       # ms after the previous arrival
+              st.integers(1, 6),                         # blocks of 512 tokens
+              st.integers(1, 30),                        # output tokens
+              st.integers(0, 3)),                        # prefix family (0: unique)
+    min_size=1, max_size=25)
+
+
+def _trace(spec: list[tuple[int, int, int, int]]) -> list[TraceRequest]:
+    out, ts = [], 0
+    for i, (gap, blocks, output, family) in enumerate(spec):
+        ts += gap
+        ids = tuple((family * 1000 if family else 10_000 + 100 * i) + b for b in range(blocks))
+        out.append(_req(ts, ids, output=output))
+    return out
+
+
+def _outcomes(requests, steps: int, **config) -> list[tuple[float, float]]:
+    """(TTFT, TBT) of each request; and every decode instance ends the replay empty, with
+    nothing still counted as on its way to it (each request joined once)."""
+    from mooncake_plugins.conductor.sim import _Replay
+
+    cluster = ClusterConfig(cost=FLAT, prefill_step_tokens=steps, **config)
+    replay = _Replay(requests, RoundRobinPolicy(FLAT), cluster, SLO, 1.0)
+    replay.run(None)
+    for d in replay.decodes:
+        assert (d.running, list(d.waiting), d.incoming, d.pending_input) == ([], [], 0, 0)
+    result = replay.result(0.0, keep_outcomes=True)
+    return [(o.ttft_s, o.tbt_s) for o in result.outcomes]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_traces, st.booleans(), st.integers(1, 3), st.integers(1, 4),
+       st.sampled_from([512, 2048, 8192]))
+def test_steps_lose_no_request_and_steps_of_one_token_change_nothing(
+        spec, colocated: bool, prefill: int, batch: int, steps: int) -> None:
+    """Any trace, any cluster: with prefill steps every request gets its first token and,
+    with more than one, every later one (a JOIN moved is joined once); steps of one
+    token share nothing, so they give what one prompt after the other gives."""
+    requests = _trace(spec)
+    config = {"num_prefill": prefill, "num_decode": 2, "decode_max_batch": batch,
+              "colocated": colocated}
+    alone = _outcomes(requests, 0, **config)
+    assert _outcomes(requests, 1, **config) == alone
+    for request, (ttft, tbt) in zip(requests, _outcomes(requests, steps, **config)):
+        assert math.isfinite(ttft) and ttft > 0
+        if request.output_length > 1:
+            assert math.isfinite(tbt) and tbt >= 0.01 - 1e-9
+
+
+@settings(max_examples=150, deadline=None)
+@given(_traces, st.integers(1, 3), st.sampled_from([512, 2048, 8192, 1 << 30]))
+def test_steps_only_delay_first_tokens_and_never_the_newest_on_an_instance(
+        spec, prefill: int, steps: int) -> None:
+    """P/D, round robin (decisions that do not depend on the replay): a step shared with
+    later prompts makes a first token later, never earlier; the last request on each
+    instance has no later prompt in its step, so its first token does not move."""
+    requests = _trace(spec)
+    config = {"num_prefill": prefill, "num_decode": 1, "decode_max_batch": 64}
+    alone = _outcomes(requests, 0, **config)
+    stepped = _outcomes(requests, steps, **config)
+    for (ttft0, _), (ttft, _) in zip(alone, stepped):
+        assert ttft >= ttft0 - 1e-9
+    for instance in range(prefill):
+        last = max(range(instance, len(requests), prefill), default=None)
+        if last is not None:
+            assert stepped[last][0] == pytest.approx(alone[last][0])

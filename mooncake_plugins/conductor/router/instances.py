@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import heapq
 import time
-from itertools import accumulate
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from ..prefill_steps import queue_at, step_delays
 from .engine_load import EngineLoad
 from .measured_ratio import BOUNDS, MeasuredRatio
 
@@ -47,7 +47,8 @@ class _Flight:
     timed: bool = False         # streamed: its first answer byte is its first token, and
                                 # teaches the TTFT ratio
     tokens: int = 0             # prompt tokens it computes (not cached)
-    batched_tokens: int = 0     # later prompts' tokens counted in its last prefill step
+    counted: int = 0            # later prompts' tokens counted in its last prefill step
+    at: int = 0                 # prompt tokens queued before it (see .prefill_steps)
 
 
 @dataclass
@@ -155,11 +156,13 @@ class Instance:
         ``--max-num-batched-tokens``), first come first served, the last prompt of a step
         chunked; a prompt's first token comes at the end of the step that holds its last
         token, so the prompts that came after it and fill that step delay it. After a
-        request joined: every request waiting here that has not started (in the queue
+        request joined: each request waiting here that has not started (in the queue
         order of :meth:`queue_s`, one after the other at ``ratio`` times the model's
-        time) has its expected TTFT moved later by the model's time for those later
-        tokens (each counted once), which keeps the TTFT ratio learned from it and the
-        overdue rule of :meth:`ttft_ratio` true to what the model predicts."""
+        time) and shares its last step with the new one (steps as
+        :mod:`~mooncake_plugins.conductor.prefill_steps` counts them) has its expected
+        TTFT moved later by the model's time for the new tokens in that step, which keeps
+        the TTFT ratio learned from it and the overdue rule of :meth:`ttft_ratio` true
+        to what the model predicts."""
         waiting = self._waiting()
         if len(waiting) < 2:
             return
@@ -170,23 +173,9 @@ class Instance:
             if t > now or f is waiting[-1]:
                 future.append(f)
             t += f.prefill_s * ratio
-        ends = list(accumulate(f.tokens for f in future))
-        total = ends[-1]
-        for i, (f, end) in enumerate(zip(future[:-1], ends)):
-            step_end = min(-(-end // step_tokens) * step_tokens, total)
-            extra = step_end - end
-            if extra <= f.batched_tokens:
-                continue
-            delay, at = 0.0, end   # model time of the later tokens (end + counted, end + extra]
-            lo, hi = end + f.batched_tokens, end + extra
-            for g, g_end in zip(future[i + 1:], ends[i + 1:]):
-                overlap = min(hi, g_end) - max(lo, at)
-                if overlap > 0 and g.tokens:
-                    delay += g.prefill_s * overlap / g.tokens
-                at = g_end
-                if at >= hi:
-                    break
-            f.batched_tokens = extra
+        future[-1].at = queue_at(future[:-1])
+        for f, counted, delay in step_delays(future, step_tokens):
+            f.counted = counted
             f.model_ttft_s += delay
             f.expected_ttft_s += delay * ratio
 
