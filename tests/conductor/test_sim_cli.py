@@ -83,3 +83,13 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path,
     assert main([str(trace), "--plot", str(tmp_path / "p.png"), "--quiet"]) == 1
     assert "mooncake_plugins[sim]" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+
+
+def test_cli_prefill_steps_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = _write_trace(tmp_path / "small.jsonl")
+    out = tmp_path / "out.json"
+    assert main([str(trace), "--max-num-batched-tokens", "8192", "--json", str(out),
+                 "--quiet"]) == 0
+    assert json.loads(out.read_text())["cluster"]["prefill_step_tokens"] == 8192
+    assert main([str(trace), "--max-num-batched-tokens", "-1", "--quiet"]) == 1
+    assert "prefill_step_tokens must be >= 0, got -1" in capsys.readouterr().err
