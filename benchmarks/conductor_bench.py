@@ -27,7 +27,13 @@ first streamed token, then between tokens), goodput (requests that met both SLOs
 second of the run), the prompt tokens the engines found in their own prefix cache and
 those they loaded through a connector (vLLM's counters) beside those the router routed to
 be loaded from the store, and the simulator's figures for the same requests with the ratio of
-its TTFT p50 to the measured one. With ``--rounds N`` every policy is replayed N times,
+its TTFT p50 to the measured one. Then the simulator once more, checked on what the
+calibration cannot see: the host's contention in the replay (the engines' API servers,
+the router and the client share the cores with the engines) fitted as
+``shared_slowdown`` so that its round robin has the TTFT p50 measured in round robin's
+first round, and each policy given the refusals its live router made in its first
+round (:class:`RefusingAsLive`), so that both time the same served requests. With
+``--rounds N`` every policy is replayed N times,
 policies in turn each round, and the measured figures are medians over the rounds (each
 round's are kept in the JSON; the per-request times are the first round's). Prints a
 table; writes JSON (with every request's
@@ -61,7 +67,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from mooncake_plugins.conductor.costmodel import CostModel  # noqa: E402
-from mooncake_plugins.conductor.policies import Slo, make_policy  # noqa: E402
+from mooncake_plugins.conductor.policies import Decision, Policy, Slo, make_policy  # noqa: E402
 from mooncake_plugins.conductor.sim import ClusterConfig, simulate  # noqa: E402
 from mooncake_plugins.conductor.traces import TraceRequest, load_trace  # noqa: E402
 
@@ -324,6 +330,43 @@ def summarize(results: list[dict], slo: Slo) -> dict:
             "goodput_rps": len(good) / span if span > 0 else 0.0}
 
 
+class RefusingAsLive(Policy):
+    """``inner``'s choices, refusing exactly the requests the live router refused: the
+    simulator then times the requests that were served, not a set of its own."""
+
+    def __init__(self, inner: Policy, refused: list[bool]) -> None:
+        super().__init__(inner.cost)
+        self.name, self.inner, self.refused, self.next = inner.name, inner, refused, 0
+
+    def choose(self, request, view) -> Decision:
+        decision = self.inner.choose(request, view)
+        index, self.next = self.next, self.next + 1
+        return dataclasses.replace(decision, reject_reason="refused live"
+                                   if self.refused[index] else None)
+
+
+def fit_contention(requests: list[TraceRequest], cluster_cfg: ClusterConfig, slo: Slo,
+                   measured_p50: float) -> float:
+    """The ``shared_slowdown`` (1-8) at which the simulator's round robin has the TTFT
+    p50 measured: how much slower this host ran the engines side by side in the replay
+    (API servers, router and client share its cores) than in the calibration."""
+    def p50(slowdown: float) -> float:
+        cfg = dataclasses.replace(cluster_cfg, shared_slowdown=slowdown)
+        return simulate(requests, make_policy("round_robin", cfg.cost, slo), cfg, slo).ttft.p50
+    lo, hi = 1.0, 8.0
+    if p50(lo) >= measured_p50:
+        return lo
+    for _ in range(30):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if p50(mid) < measured_p50 else (lo, mid)
+    return hi
+
+
+def round1_ttft_p50(row: dict) -> float | None:
+    ttfts = [r["ttft"] for r in row["per_request"] if r["status"] == 200 and r.get("ttft")]
+    return statistics.median(ttfts) if ttfts else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=str(ROOT / "tests/conductor/data/"
@@ -447,6 +490,22 @@ def main() -> None:
             row.update({k: statistics.median(run[k] for run in runs)
                         if all(run[k] is not None for run in runs) else None
                         for k in runs[0]})
+        fitted = None
+        if "round_robin" in rows and round1_ttft_p50(rows["round_robin"]):
+            # the simulator checked on what the calibration cannot see: the host's
+            # contention fitted on round robin's first round, every policy given the
+            # same refusals as its first round
+            fitted = fit_contention(requests, cluster_cfg, slo,
+                                    round1_ttft_p50(rows["round_robin"]))
+            fitted_cfg = dataclasses.replace(cluster_cfg, shared_slowdown=fitted)
+            for name, row in rows.items():
+                policy = RefusingAsLive(
+                    make_policy(name.partition(":")[0], cost, slo, migrate=False,
+                                early_reject=False),
+                    [r["status"] == 429 for r in row["per_request"]])
+                row["round1_ttft_p50_s"] = round1_ttft_p50(row)
+                row["sim_fitted_ttft_p50_s"] = simulate(requests, policy, fitted_cfg,
+                                                        slo).ttft.p50
     finally:
         cluster.stop()
         if a.keep_logs:
@@ -473,10 +532,20 @@ def main() -> None:
               f"{ms(r['sim_ttft_p50_s']):>8} "
               f"{ms(r['sim_tbt_p50_s']):>8} {r['sim_good']:6d} {r['sim_rejected']:4d} "
               f"{r['sim_goodput_rps']:7.2f}/s {ratio}")
+    if fitted is not None:
+        print(f"simulator with the host's contention fitted on round robin's first round "
+              f"(shared_slowdown {fitted:.2f}, calibrated {slowdown:.2f}) and each policy's "
+              f"refusals of its first round:")
+        for name, r in rows.items():
+            meas, sim_p50 = r["round1_ttft_p50_s"], r["sim_fitted_ttft_p50_s"]
+            ratio = f"{sim_p50 / meas:.2f}x" if meas and sim_p50 == sim_p50 else "-"
+            print(f"  {name:14} measured TTFT p50 {meas or float('nan'):6.2f} s, simulated "
+                  f"{sim_p50:6.2f} s ({ratio})")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"args": vars(a), "cost_model": dataclasses.asdict(cost),
                                        "cost_model_side_by_side": dataclasses.asdict(together),
                                        "shared_slowdown": slowdown,
+                                       "shared_slowdown_fitted": fitted,
                                        "rows": rows, "cpus": os.cpu_count(),
                                        "when": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     log(f"wrote {a.out}")
