@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake_plugins.conductor.costmodel import CostModel
-from mooncake_plugins.conductor.router.calibrate import _least_squares, fit_nonnegative
+from mooncake_plugins.conductor.router.calibrate import (_least_squares, fit_misses,
+                                                         fit_nonnegative)
 
 
 @contextlib.contextmanager
@@ -77,6 +78,17 @@ def test_one_slow_short_round_does_not_double_the_long_prefill():
     assert c0 + c1 * 1792 + c2 * 1792 ** 2 == pytest.approx(0.1686, rel=0.05)
 
 
+def test_a_fit_far_from_a_measured_length_is_reported():
+    """That same calibration: even the best fit is 0.63x the slow 128-token round, and
+    says so (a clean one says nothing)."""
+    measured = [(128, 0.0790), (512, 0.0320), (1024, 0.0807), (1792, 0.1686)]
+    misses = fit_misses(measured, fit_nonnegative(*zip(*measured), 2))
+    assert len(misses) == 2 and "128 tokens" in misses[0] and "0.63x" in misses[0]
+    assert "512 tokens" in misses[1]
+    clean = [(n, 0.02 + 4e-5 * n) for n in (128, 512, 1024, 1792)]
+    assert fit_misses(clean, fit_nonnegative(*zip(*clean), 2)) == []
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 4096), st.floats(-0.1, 1.0)), min_size=3,
                 max_size=8, unique_by=lambda p: p[0]),
@@ -110,6 +122,7 @@ def test_calibrating_a_modelled_engine_finds_its_speeds(tmp_path):
                           "4096", "--out", str(out))
         assert proc.returncode == 0, proc.stderr
         assert "prefill   2048 tokens" in proc.stdout and "wrote" in proc.stdout
+        assert "warning" not in proc.stdout   # the double's prefill is a line: fitted well
         cost = CostModel(**json.loads(out.read_text()))
         # sleeps overshoot by a little: the fit is near the engine's set speeds
         assert cost.prefill_fixed_s == pytest.approx(0.02, abs=0.01)
@@ -125,6 +138,24 @@ def test_calibrating_a_modelled_engine_finds_its_speeds(tmp_path):
                      "--out", str(tmp_path / "x.json"))
     assert bad.returncode != 0 and "calibrate:" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_calibration_its_fit_cannot_follow_says_so(tmp_path):
+    """An engine whose prefill gets faster with longer prompts (0.2 s less 0.1 ms a
+    token; none of the model's terms can go down): the calibration still writes the best
+    fit, and warns of each length it misses by more than a quarter."""
+    pytest.importorskip("aiohttp")
+    from openai_double import OpenAIDouble
+
+    engine = OpenAIDouble("e", delay_s=0.2, per_token_s=-1e-4, step_s=0.005)
+    with _serving(engine) as (url,):
+        out = tmp_path / "cost.json"
+        proc = _calibrate("--instance", url, "--model", "m", "--lengths", "16,512,1024,1900",
+                          "--repeats", "1", "--decode-tokens", "6", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: the fitted prefill of 16 tokens" in proc.stdout, proc.stdout
+    assert "warning: the fitted prefill of 1900 tokens" in proc.stdout, proc.stdout
+    assert out.exists()
 
 
 def test_a_pd_pair_is_calibrated_for_its_kv_handoff(tmp_path):

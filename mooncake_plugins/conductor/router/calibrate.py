@@ -112,6 +112,24 @@ def fit_nonnegative(xs: Sequence[float], ys: Sequence[float], degree: int
     return best
 
 
+FIT_TOLERANCE = 0.25
+"""A fitted prefill time further than this (as a share) from a measured median is
+reported: a round the host stalled in, or an engine that is not ``fixed + a n + b n^2``."""
+
+
+def fit_misses(measured: Sequence[tuple[int, float]], coef: Sequence[float]) -> list[str]:
+    """One line for each measured ``(tokens, seconds)`` the fitted prefill ``coef`` is
+    more than :data:`FIT_TOLERANCE` away from."""
+    lines = []
+    for n, seconds in measured:
+        fitted = sum(c * n ** p for p, c in enumerate(coef))
+        if seconds > 0 and abs(fitted / seconds - 1) > FIT_TOLERANCE:
+            lines.append(f"warning: the fitted prefill of {n} tokens is {fitted * 1e3:.1f} ms, "
+                         f"{fitted / seconds:.2f}x the {seconds * 1e3:.1f} ms measured: a "
+                         f"noisy round? calibrate again, or with more --repeats")
+    return lines
+
+
 async def _timed(session: aiohttp.ClientSession, url: str, body: dict) -> float:
     t0 = time.perf_counter()
     async with session.post(url + "/v1/completions", json=body) as resp:
@@ -222,6 +240,8 @@ async def calibrate(urls: str | Sequence[str], model: str,
             base = await _calibrate_handoff(session, *(u.rstrip("/") for u in pd_pair),
                                             model, lengths, repeats, rng, base, progress)
         c0, c1, c2 = fit_nonnegative([n for n, _ in measured], [s for _, s in measured], 2)
+        for line in fit_misses(measured, (c0, c1, c2)):
+            progress(line)
         base = dataclasses.replace(base, prefill_fixed_s=c0, prefill_s_per_token=c1,
                                    prefill_s_per_token_sq=c2,
                                    decode_fixed_s=max(step - per_request, 0.0),
