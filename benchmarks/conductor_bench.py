@@ -491,12 +491,12 @@ def main() -> None:
                         if all(run[k] is not None for run in runs) else None
                         for k in runs[0]})
         fitted = None
-        if "round_robin" in rows and round1_ttft_p50(rows["round_robin"]):
+        rr_p50 = round1_ttft_p50(rows["round_robin"]) if "round_robin" in rows else None
+        if rr_p50:
             # the simulator checked on what the calibration cannot see: the host's
             # contention fitted on round robin's first round, every policy given the
             # same refusals as its first round
-            fitted = fit_contention(requests, cluster_cfg, slo,
-                                    round1_ttft_p50(rows["round_robin"]))
+            fitted = fit_contention(requests, cluster_cfg, slo, rr_p50)
             fitted_cfg = dataclasses.replace(cluster_cfg, shared_slowdown=fitted)
             for name, row in rows.items():
                 policy = RefusingAsLive(

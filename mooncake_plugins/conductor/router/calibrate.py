@@ -79,6 +79,10 @@ def _least_squares(xs: Sequence[float], ys: Sequence[float], powers: Sequence[in
     return [m[i][k] / m[i][i] for i in range(k)]
 
 
+def _polynomial(coef: Sequence[float], x: float) -> float:
+    return sum(c * x ** p for p, c in enumerate(coef))
+
+
 def fit_nonnegative(xs: Sequence[float], ys: Sequence[float], degree: int
                     ) -> tuple[float, ...]:
     """Least-squares ``(c0, ..., c_degree)`` of ``y = c0 + c1 x + ... `` with every
@@ -91,8 +95,7 @@ def fit_nonnegative(xs: Sequence[float], ys: Sequence[float], degree: int
                          f"(need {degree + 1} distinct)")
 
     def residual(coef: Sequence[float]) -> float:
-        return sum((y - sum(c * x ** p for p, c in enumerate(coef))) ** 2
-                   for x, y in zip(xs, ys))
+        return sum((y - _polynomial(coef, x)) ** 2 for x, y in zip(xs, ys))
 
     best = (0.0,) * (degree + 1)
     best_residual = residual(best)
@@ -107,8 +110,8 @@ def fit_nonnegative(xs: Sequence[float], ys: Sequence[float], degree: int
         coef = [0.0] * (degree + 1)
         for p, c in zip(powers, fitted):
             coef[p] = c
-        if residual(coef) < best_residual:
-            best, best_residual = tuple(coef), residual(coef)
+        if (r := residual(coef)) < best_residual:
+            best, best_residual = tuple(coef), r
     return best
 
 
@@ -122,7 +125,7 @@ def fit_misses(measured: Sequence[tuple[int, float]], coef: Sequence[float]) -> 
     more than :data:`FIT_TOLERANCE` away from."""
     lines = []
     for n, seconds in measured:
-        fitted = sum(c * n ** p for p, c in enumerate(coef))
+        fitted = _polynomial(coef, n)
         if seconds > 0 and abs(fitted / seconds - 1) > FIT_TOLERANCE:
             lines.append(f"warning: the fitted prefill of {n} tokens is {fitted * 1e3:.1f} ms, "
                          f"{fitted / seconds:.2f}x the {seconds * 1e3:.1f} ms measured: a "
