@@ -280,10 +280,12 @@ async def replay(router: str, model: str, requests: list[TraceRequest]) -> list[
         stamps: list[float] = []
         async with session.post(router + "/v1/completions", json=body) as resp:
             status = resp.status
+            predicted = resp.headers.get("X-Conductor-Predicted-TTFT")
             async for line in resp.content:
                 if line.startswith(b"data: {") and b'"error"' not in line:
                     stamps.append(time.perf_counter())
-        out = {"status": status, "sent": sent, "tokens": len(stamps)}
+        out = {"status": status, "sent": sent, "tokens": len(stamps),
+               "predicted": float(predicted) if predicted else None}
         if status == 200 and stamps:
             out["ttft"] = stamps[0] - sent
             out["tbt"] = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
@@ -321,7 +323,13 @@ def summarize(results: list[dict], slo: Slo) -> dict:
     good = [r for r in served if r["ttft"] <= slo.ttft_s and r["tbt"] <= slo.tbt_s]
     span = max((r.get("end", r["sent"]) for r in results), default=0) - \
         min((r["sent"] for r in results), default=0)
+    # measured / predicted TTFT of the served requests (the router's estimate at admission)
+    errors = sorted(r["ttft"] / r["predicted"] for r in served if r.get("predicted"))
     return {"served": len(served), "good": len(good),
+            "late": sum(r["ttft"] > slo.ttft_s for r in served),
+            "ttft_error_p50": statistics.median(errors) if errors else None,
+            "ttft_error_p90": errors[min(len(errors) - 1, int(0.9 * len(errors)))]
+            if errors else None,
             "rejected": sum(r["status"] == 429 for r in results),
             "failed": sum(r["status"] not in (200, 429) for r in results),
             "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
@@ -477,7 +485,8 @@ def main() -> None:
                 "sim_served": sim.served,
                 "sim_tbt_p50_s": sim.tbt.p50, "sim_rejected": sim.rejected,
                 "per_request": [{"ttft": r.get("ttft"), "tbt": r.get("tbt"),
-                                 "status": r["status"], "sim_ttft": o.ttft_s,
+                                 "status": r["status"], "predicted": r["predicted"],
+                                 "sim_ttft": o.ttft_s,
                                  "sim_tbt": o.tbt_s, "sim_instance": o.prefill}
                                 for r, o in zip(results, sim.outcomes)],
                 "sim_good": round(sim.slo_attainment * sim.requests),
@@ -532,6 +541,12 @@ def main() -> None:
               f"{ms(r['sim_ttft_p50_s']):>8} "
               f"{ms(r['sim_tbt_p50_s']):>8} {r['sim_good']:6d} {r['sim_rejected']:4d} "
               f"{r['sim_goodput_rps']:7.2f}/s {ratio}")
+    print("the router's TTFT estimates: measured / predicted TTFT of the served requests "
+          "(medians over rounds)")
+    for name, r in rows.items():
+        if r["ttft_error_p50"] is not None:
+            print(f"  {name:14} p50 {r['ttft_error_p50']:.2f}x, p90 {r['ttft_error_p90']:.2f}x;"
+                  f" served late (TTFT over the SLO): {r['late']:g} of {r['served']:g}")
     if fitted is not None:
         print(f"simulator with the host's contention fitted on round robin's first round "
               f"(shared_slowdown {fitted:.2f}, calibrated {slowdown:.2f}) and each policy's "

@@ -52,18 +52,32 @@ def _store_args(parser: argparse.ArgumentParser, use: str) -> None:
     parser.add_argument("--store-hash-algo", default="sha256",
                         help="the engines' --prefix-caching-hash-algo (sha256, sha256_cbor)")
     parser.add_argument("--store-hash-seed", help="the engines' PYTHONHASHSEED, if set")
+    parser.add_argument("--store-lmcache-chunk-size", type=int, metavar="N",
+                        help="the engines run LMCache on the store with this chunk_size: "
+                        "price its chunks too")
+    parser.add_argument("--store-lmcache-hash", default="builtin",
+                        help="LMCache's pre_caching_hash_algorithm (builtin, sha256, "
+                        "sha256_cbor; builtin inside vLLM needs --store-hash-seed)")
+    parser.add_argument("--store-lmcache-outside-vllm", action="store_true",
+                        help="LMCache runs without vLLM (SGLang, standalone): its chunk "
+                        "hashes start from 0, with Python's hash")
 
 
 def _store_view(args: argparse.Namespace, rediscover_s: float = 30.0) -> "StoreView | None":
     """The store's view the flags name (None without ``--store``)."""
     if not args.store:
         return None
+    from mooncake_plugins.conductor.router.lmcache_hashes import LmcacheChunkHashes
     from mooncake_plugins.conductor.router.store_view import StoreView
     from mooncake_plugins.conductor.router.vllm_hashes import VllmBlockHashes
 
+    lmcache = None if args.store_lmcache_chunk_size is None else LmcacheChunkHashes(
+        args.store_lmcache_chunk_size, args.store_lmcache_hash, args.store_hash_seed,
+        in_vllm=not args.store_lmcache_outside_vllm)
     return StoreView(args.store, VllmBlockHashes(args.block_tokens, args.store_hash_algo,
                                                  args.store_hash_seed),
-                     rediscover_s=rediscover_s, cluster_id=args.store_cluster_id)
+                     rediscover_s=rediscover_s, cluster_id=args.store_cluster_id,
+                     lmcache=lmcache)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -898,16 +898,23 @@ class MasterService:
     def keys_with_suffix(self, suffix: str, limit: int) -> list[str]:
         """Up to ``limit`` keys of complete objects ending with ``suffix`` (any keys for
         ``""``; no lease): how a router finds the key layout its engines store a block
-        hash under.
+        hash under."""
+        return self._keys_where(lambda key: key.endswith(suffix), limit)
 
-        A scan of every key, done on a copy of the key list so that the lock is held
+    def keys_containing(self, part: str, limit: int) -> list[str]:
+        """Up to ``limit`` keys of complete objects with ``part`` in them (no lease): a
+        router's look for the layout of keys that go on after the hash (LMCache's)."""
+        return self._keys_where(lambda key: part in key, limit)
+
+    def _keys_where(self, match: Callable[[str], bool], limit: int) -> list[str]:
+        """A scan of every key, done on a copy of the key list so that the lock is held
         only to copy it and to check the matches (with 300k objects: the scan takes
         about 130 ms, which other calls waited out while it held the lock)."""
         if not 1 <= limit <= MAX_LISTED_KEYS:
             raise InvalidParams(f"limit must be in 1..{MAX_LISTED_KEYS}")
         with self._lock:
             keys = list(self._objects)
-        matches = [key for key in keys if key.endswith(suffix)]
+        matches = [key for key in keys if match(key)]
         with self._lock:
             complete = [key for key in matches
                         if (meta := self._objects.get(key)) is not None and meta.complete]

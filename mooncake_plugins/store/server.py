@@ -313,6 +313,7 @@ class MasterServer:
             "exist": (keys, lambda keys: [int(x) for x in s.exist_many(keys)]),
             "peek": (keys, lambda keys: [int(x) for x in s.exist_many(keys, lease=False)]),
             "keys_with_suffix": ({"suffix": str, "limit": int}, s.keys_with_suffix),
+            "keys_containing": ({"part": str, "limit": int}, s.keys_containing),
             "remove": ({**keys, "force": bool}, self._durable(self._deleting(
                 lambda keys, force: _each(keys, lambda k: s.remove(k, force))))),
             "remove_by_regex": ({"pattern": str, "force": bool},

@@ -90,6 +90,8 @@ def test_round_robin_alternates():
             for i in range(6):
                 resp = await client.post("/v1/completions", json=complete(PREFIX + str(i)))
                 ids.append((await resp.json())["id"])
+                chosen = (resp.headers["X-Conductor-Prefill"], resp.headers["X-Conductor-Decode"])
+                assert chosen == (urls[i % 2],) * 2   # one engine prefills and decodes
             assert ids == ["a", "b"] * 3
 
     run(main())
@@ -221,6 +223,10 @@ def test_pd_requests_carry_the_prefill_handle_to_the_decode():
             assert second["kv_transfer_params"] == {k: v for k, v in p.handle.items()
                                                     if k in PD_KEYS}
             assert second["max_tokens"] == 8 and second["stream"] is True
+            # the answer names the instances chosen and the TTFT it was admitted with
+            assert (resp.headers["X-Conductor-Prefill"], resp.headers["X-Conductor-Decode"]
+                    ) == (pu, du)
+            assert float(resp.headers["X-Conductor-Predicted-TTFT"]) > 0
             # the streamed answer timed its TTFT (to the decode's first token) for the
             # prefill instance; the decode instance learned no TTFT
             prefill, decode = (i["ttft_samples"] for i in await (await client.get(
@@ -326,6 +332,15 @@ def test_the_command_line_refuses_bad_instances_in_one_line():
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [
         "mooncake-conductor: instance URL 'ftp://h:1' must start with http:// or https://"]
+    # LMCache's builtin hash inside vLLM cannot be followed without the engines' seed
+    out = subprocess.run([sys.executable, "-m", "mooncake_plugins.cli.conductor_serve",
+                          "serve", "--instance", "http://127.0.0.1:1", "--store",
+                          "127.0.0.1:2", "--store-lmcache-chunk-size", "256"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("mooncake-conductor: LMCache's builtin hash") and \
+        "PYTHONHASHSEED" in line
 
 
 def test_a_full_engine_queues_new_prefills_until_a_slot_frees():

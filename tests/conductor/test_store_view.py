@@ -18,7 +18,8 @@ from local_master import put, running_master
 
 from mooncake_plugins.conductor.costmodel import CostModel
 from mooncake_plugins.conductor.policies import Slo, make_policy
-from mooncake_plugins.conductor.router.store_view import StoreView
+from mooncake_plugins.conductor.router.lmcache_hashes import LmcacheChunkHashes
+from mooncake_plugins.conductor.router.store_view import Layout, StoreView
 from mooncake_plugins.conductor.router.vllm_hashes import VllmBlockHashes
 from mooncake_plugins.errors import ObjectHasLease, SegmentAlreadyExists
 from mooncake_plugins.store.master import MasterConfig
@@ -127,6 +128,44 @@ def test_vllm_in_tree_connector_keys_are_recognised(master) -> None:
         assert [lay.size for lay in view.layouts] == [4]
     finally:
         view.close()
+
+
+def test_lmcache_chunks_are_counted_where_every_worker_holds_them(master) -> None:
+    """LMCache keys a chunk ``{model}@{world size}@{worker}@{hash}@{dtype}`` (our LMCache
+    connector puts ``lmcache/`` before it): with chunks of two blocks and two workers,
+    chunks 0-1 on both workers and chunk 2 on one are four whole blocks; a key whose
+    worker is not below its world size is no layout; vLLM's block keys of the same prompt
+    (another model, fewer blocks) are priced beside them."""
+    server, rpc = master
+    prompt = tokens(8, 8)
+    chunks = LmcacheChunkHashes(2 * BLOCK, in_vllm=False)
+    hexes = chunks.of(prompt)
+    assert len(hexes) == 4 and any(h.startswith("-") for h in hexes + chunks.of(tokens(9, 8)))
+    base = "lmcache/tiny-llama"
+    put(rpc, [f"{base}@2@{w}@{h}@float" for h in hexes[:2] for w in (0, 1)])
+    put(rpc, [f"{base}@2@0@{hexes[2]}@float", f"{base}@2@2@{hexes[3]}@float"])
+    blocks = [h.hex() for h in VllmBlockHashes(BLOCK).of(prompt)]
+    put(rpc, [f"{BASE}/tp0of1/{h}" for h in blocks[:3]])
+    view = StoreView(f"127.0.0.1:{server.port}", VllmBlockHashes(BLOCK), lmcache=chunks)
+    try:
+        assert view.prefix_blocks(prompt) == 4
+        assert sorted((lay.kind, lay.base, lay.size, lay.tail) for lay in view.layouts) == [
+            ("lmcache", base, 2, "@float"), ("ours", BASE, 1, "")]
+        put(rpc, [f"{base}@2@1@{hexes[2]}@float"])   # chunk 2 whole now
+        assert view.prefix_blocks(prompt) == 6
+        assert view.prefix_blocks(prompt[:6 * BLOCK]) == 5   # before the last token only
+    finally:
+        view.close()
+    assert Layout.of(f"{base}@2@2@{hexes[3]}@float") is None
+    assert Layout.of(f"{base}@2@0@-1f2e@float") == (Layout("lmcache", base, 2, "@float"), 0)
+    assert Layout.of(f"{base}@2@1@{hexes[3]}@bfloat16") == (
+        Layout("lmcache", base, 2, "@bfloat16"), 1)
+    with pytest.raises(ValueError, match="PYTHONHASHSEED"):
+        LmcacheChunkHashes(256)   # builtin inside vLLM: random per engine without a seed
+    with pytest.raises(ValueError, match="4294967295"):
+        LmcacheChunkHashes(256, seed="fixed")
+    with pytest.raises(ValueError, match="builtin, sha256, sha256_cbor"):
+        LmcacheChunkHashes(256, "xxhash", seed="0")
 
 
 def test_a_block_counts_only_where_every_pipeline_stage_holds_it(master) -> None:

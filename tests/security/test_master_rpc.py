@@ -265,13 +265,18 @@ def test_key_listing_and_peeks_are_validated(master: MasterServer,
         assert rpc.call("keys_with_suffix", suffix="/ab", limit=10) == []
         assert rpc.call("peek", keys=["a", "b"]) == [0, 0]
         assert rpc.call("keys_with_suffix", suffix="", limit=10) == []   # any key
+        assert rpc.call("keys_containing", part="@ab@", limit=10) == []
         for bad in ({"suffix": "/ab", "limit": 0}, {"suffix": "/ab", "limit": 1 << 40}):
             with pytest.raises(InvalidParams):
                 rpc.call("keys_with_suffix", **bad)
+            with pytest.raises(InvalidParams):
+                rpc.call("keys_containing", part=bad["suffix"], limit=bad["limit"])
         # a field of the wrong type is a malformed frame: that connection is closed
         for method, bad in (("keys_with_suffix", {"suffix": 5, "limit": 10}),
                             ("keys_with_suffix", {"suffix": "/ab", "limit": "10"}),
                             ("keys_with_suffix", {"suffix": "/ab"}),
+                            ("keys_containing", {"part": b"@ab@", "limit": 10}),
+                            ("keys_containing", {"limit": 10}),
                             ("peek", {"keys": [1, 2]})):
             with caplog.at_level(logging.ERROR, RPC_LOG):
                 with pytest.raises(RpcFailed):

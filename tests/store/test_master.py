@@ -267,6 +267,11 @@ def test_keys_with_suffix_and_peek_take_no_lease(clock):
     assert len(m.keys_with_suffix("/ab12", 1)) == 1
     assert m.keys_with_suffix("/ef56", 10) == []
     assert len(m.keys_with_suffix("", 2)) == 2 and len(m.keys_with_suffix("", 10)) == 3
+    assert sorted(m.keys_containing("tp0of2/", 10)) == ["vllm/m/L/tp0of2/ab12",
+                                                         "vllm/m/L/tp0of2/cd34"]
+    assert m.keys_containing("half", 10) == []   # not complete
+    with pytest.raises(InvalidParams):
+        m.keys_containing("/ab12", 0)
     for suffix, limit in (("/ab12", 0), ("/ab12", 1001)):
         with pytest.raises(InvalidParams):
             m.keys_with_suffix(suffix, limit)

@@ -307,12 +307,14 @@ class Router:
                       decision.reused_blocks * self.config.block_tokens,
                       " in the store" if decision.pull_from == POOL else "", prefill.url,
                       decode.url, decision.predicted_ttft_s)
+            chosen = {"X-Conductor-Prefill": prefill.url, "X-Conductor-Decode": decode.url,
+                      "X-Conductor-Predicted-TTFT": f"{decision.predicted_ttft_s:.4f}"}
             try:
                 if decode is prefill:
-                    return await self._forward(request, body, rid, prefill, "both")
+                    return await self._forward(request, body, rid, prefill, "both", chosen)
                 params = await self._prefill(request, body, rid, prefill, decode)
                 return await self._forward(request, dict(body, kv_transfer_params=params),
-                                           rid, decode, "decode", started=prefill)
+                                           rid, decode, "decode", chosen, started=prefill)
             except _Unreachable as exc:
                 tried.add(exc.instance.url)
                 self.take_out(exc.instance, str(exc))
@@ -336,8 +338,10 @@ class Router:
         return decode_params(answer)
 
     async def _forward(self, request: web.Request, body: dict, rid: int, inst: Instance,
-                       side: str, started: Instance | None = None) -> web.StreamResponse:
-        """Send ``body`` to ``inst`` and relay its answer as it comes."""
+                       side: str, chosen: dict[str, str], started: Instance | None = None
+                       ) -> web.StreamResponse:
+        """Send ``body`` to ``inst`` and relay its answer as it comes, with the headers
+        ``chosen`` (the instances and the TTFT the request was admitted with)."""
         self.metrics.routed.labels(inst.url, side).inc()
         t0 = time.perf_counter()
         try:
@@ -345,7 +349,7 @@ class Router:
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise _Unreachable(inst, repr(exc)) from exc
         out = web.StreamResponse(status=resp.status,
-                                 headers={"Content-Type": resp.headers.get(
+                                 headers={**chosen, "Content-Type": resp.headers.get(
                                      "Content-Type", "application/json")})
         first = True
         try:

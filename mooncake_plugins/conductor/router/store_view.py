@@ -11,9 +11,16 @@ Two key layouts are recognised, both ending in vLLM's block hash:
   plus one, and the next rank is probed now and then; a block counts only where every
   pipeline stage seen holds it (each stage keys its own layers).
 
+A third, LMCache's (its in-tree ``mooncakestore`` connector on our drop-in package, or our
+LMCache connector, which puts ``{key_prefix}lmcache/`` before it), keys a chunk of
+LMCache's ``chunk_size`` tokens ``{model}@{world size}@{worker}@{hash}@{dtype}`` by
+LMCache's own chunk hash (:mod:`.lmcache_hashes`): it is priced where the view is given
+LMCache's hashing (``lmcache``), and a chunk counts where every worker holds it.
+
 The router computes the prompt's vLLM block hashes (:mod:`.vllm_hashes`), and the first
 time a prompt's first block is in the store it learns the layouts from the master
-(``keys_with_suffix``, a scan the master answers without taking leases, repeated at most
+(``keys_with_suffix``; for LMCache's keys, which go on after the hash,
+``keys_containing``: scans the master answers without taking leases, repeated at most
 every ``rediscover_s`` while no known layout holds a prompt's first block, and sooner
 while no layout is known at all, from any keys too: :data:`FIRST_REDISCOVERY_S`,
 doubling); after that
@@ -41,6 +48,7 @@ from ...errors import MooncakeError, RpcFailed
 from ...store import block_keys
 from ...store.ha import find_leader, parse_etcd_endpoints
 from ...store.rpc import RpcClient, split_address
+from .lmcache_hashes import LmcacheChunkHashes
 from .vllm_hashes import VllmBlockHashes
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,8 @@ log = logging.getLogger(__name__)
 _PP_RANK = re.compile(r"@pp_rank:\d+")
 _VLLM_KEY = re.compile(r"^(?P<pre>.+)@tp_rank:(?P<rank>\d+)"
                        r"(?P<post>@pcp\d+@dcp\d+@pp_rank:\d+@group:\d+)@(?P<hash>[0-9a-f]+)$")
+_LMCACHE_KEY = re.compile(r"^(?P<pre>.+)@(?P<size>\d+)@(?P<rank>\d+)@(?P<hash>-?[0-9a-f]+)"
+                          r"@(?P<dtype>[a-z][a-z0-9_]*)$")
 
 
 FIRST_REDISCOVERY_S = 0.1
@@ -60,9 +70,10 @@ not ``rediscover_s`` later."""
 @dataclass(frozen=True)
 class Layout:
     """How one model's blocks are keyed in the store: ``size`` TP ranks, keyed as our
-    connector does (``kind="ours"``, ``base``) or as vLLM's in-tree connector does
+    connector does (``kind="ours"``, ``base``), as vLLM's in-tree connector does
     (``kind="vllm"``, ``base`` the key before ``@tp_rank:``, ``tail`` the part after the
-    rank)."""
+    rank) or as LMCache does (``kind="lmcache"``, ``base`` the key before the world
+    size, ``tail`` ``@{dtype}``; its blocks are LMCache's chunks)."""
 
     kind: str
     base: str
@@ -87,7 +98,9 @@ class Layout:
         return [self.rank_key(r, h) for h in hexes for r in range(self.size)]
 
     def rank_key(self, rank: int, hex_hash: str) -> str:
-        """A vLLM layout's key of one block at one rank."""
+        """A vLLM or LMCache layout's key of one block at one rank."""
+        if self.kind == "lmcache":
+            return f"{self.base}@{self.size}@{rank}@{hex_hash}{self.tail}"
         return f"{self.base}@tp_rank:{rank}{self.tail}@{hex_hash}"
 
     @staticmethod
@@ -98,9 +111,12 @@ class Layout:
         if parsed is not None:
             return Layout("ours", parsed[0], parsed[2]), parsed[1]
         m = _VLLM_KEY.match(key)
-        if m is None:
+        if m is not None:
+            return Layout("vllm", m["pre"], int(m["rank"]) + 1, m["post"]), int(m["rank"])
+        m = _LMCACHE_KEY.match(key)
+        if m is None or not int(m["rank"]) < int(m["size"]):
             return None
-        return Layout("vllm", m["pre"], int(m["rank"]) + 1, m["post"]), int(m["rank"])
+        return Layout("lmcache", m["pre"], int(m["size"]), f"@{m['dtype']}"), int(m["rank"])
 
 
 MAX_PROBED_RANKS = 64
@@ -116,6 +132,8 @@ class StoreView:
         master: ``host:port`` of the master's RPC, or ``etcd://host:port[;host:port]`` of
             an HA group's etcd (the leader is followed).
         hashes: the engines' block hashing (block size, algorithm, seed).
+        lmcache: LMCache's chunk hashing, where the engines run LMCache on the store
+            (None: its keys are not priced).
         rediscover_s: while no known layout holds a prompt's first block (or a vLLM
             layout's TP size may be larger than seen), look for layouts at most this
             often.
@@ -124,8 +142,11 @@ class StoreView:
     """
 
     def __init__(self, master: str, hashes: VllmBlockHashes, rediscover_s: float = 30.0,
-                 timeout_s: float = 2.0, cluster_id: str = "mooncake") -> None:
+                 timeout_s: float = 2.0, cluster_id: str = "mooncake",
+                 lmcache: LmcacheChunkHashes | None = None) -> None:
         self.hashes = hashes
+        self.lmcache = lmcache
+        self._unpriced: set[str] = set()   # LMCache layouts seen without its hashing
         self.layouts: list[Layout] = []
         self._timeout_s = timeout_s
         self._etcd: str | None = None
@@ -154,9 +175,10 @@ class StoreView:
         usable = (len(token_ids) - 1) // self.hashes.block_size
         if usable <= 0:
             return 0
-        hexes = [h.hex() for h in self.hashes.of(token_ids, usable)]
+        hexes = {"block": [h.hex() for h in self.hashes.of(token_ids, usable)],
+                 "chunk": [] if self.lmcache is None else self.lmcache.of(token_ids)}
         try:
-            best = self._best(hexes)
+            best = self._best(hexes, usable)
             # a vLLM layout's TP size is a lower bound: the next rank is probed too
             unsure = any(layout.kind == "vllm" for layout in self.layouts)
             if (best == 0 or unsure) and time.monotonic() >= self._next_discovery:
@@ -165,9 +187,11 @@ class StoreView:
                 wait = self._rediscover_s if self.layouts else self._unknown_wait_s
                 self._unknown_wait_s = min(2 * self._unknown_wait_s, self._rediscover_s)
                 self._next_discovery = time.monotonic() + wait
-                if self._discover(hexes[0]) if best == 0 else self._grow(hexes[0]):
+                first_chunk = hexes["chunk"][0] if hexes["chunk"] else None
+                if self._discover(hexes["block"][0], first_chunk) if best == 0 \
+                        else self._grow(hexes["block"][0]):
                     self._next_discovery = time.monotonic() + self._rediscover_s
-                    best = self._best(hexes)
+                    best = self._best(hexes, usable)
             return best
         except MooncakeError as exc:
             if time.monotonic() >= self._next_warning:
@@ -196,34 +220,54 @@ class StoreView:
         self._rpc = RpcClient(*split_address(leader.address), self._timeout_s)
         return self._rpc
 
-    def _best(self, hexes: list[str]) -> int:
-        """The most leading blocks one model holds whole: at every TP rank of every
-        pipeline stage seen."""
+    def _best(self, hexes: dict[str, list[str]], usable: int) -> int:
+        """The most leading blocks (of at most ``usable``) one model holds whole: at
+        every TP rank of every pipeline stage seen (LMCache: its chunks, at every
+        worker, in blocks)."""
         if not self.layouts:
             return 0
-        keys = [layout.keys(hexes) for layout in self.layouts]
+        keys = [layout.keys(hexes["chunk" if layout.kind == "lmcache" else "block"])
+                for layout in self.layouts]
         present = self._master().call("peek", keys=[k for each in keys for k in each])
         held: dict[tuple[str, str, str], int] = {}
         at = 0
         for layout, each in zip(self.layouts, keys):
             n = block_keys.leading_blocks(present[at:at + len(each)], layout.size)
             at += len(each)
+            if layout.kind == "lmcache":   # whole chunks, before the prompt's last token
+                assert self.lmcache is not None
+                n = min(usable, n * self.lmcache.chunk_size // self.hashes.block_size)
             held[layout.model] = min(held.get(layout.model, n), n)
         return max(held.values())
 
-    def _discover(self, first_hex: str) -> bool:
-        """Learn the layouts that hold the block ``first_hex`` (a vLLM layout's size
-        grows to the highest rank seen), or while none is known and none does, those of
-        any keys the store lists; whether any is new or grew."""
+    def _discover(self, first_hex: str, first_chunk: str | None = None) -> bool:
+        """Learn the layouts that hold the block ``first_hex`` or LMCache's chunk
+        ``first_chunk`` (a vLLM layout's size grows to the highest rank seen), or while
+        none is known and none does, those of any keys the store lists; whether any is
+        new or grew."""
         found: dict[tuple[str, str, str], Layout] = {}   # the largest seen per family
-        for suffix in [first_hex] + ([] if self.layouts else [""]):
-            for key in self._master().call("keys_with_suffix", suffix=suffix, limit=256):
+
+        def look(method: str, **params: str) -> None:
+            for key in self._master().call(method, **params, limit=256):
                 seen = Layout.of(key) if isinstance(key, str) else None
-                if seen is not None and (seen[0].family not in found
-                                         or found[seen[0].family].size < seen[0].size):
-                    found[seen[0].family] = seen[0]
-            if found:
-                break
+                if seen is None:
+                    continue
+                layout = seen[0]
+                if layout.kind == "lmcache" and self.lmcache is None:
+                    if layout.base not in self._unpriced:
+                        self._unpriced.add(layout.base)
+                        log.warning("the store holds LMCache chunks of %s: give the "
+                                    "router LMCache's chunk size and hashing "
+                                    "(--store-lmcache-chunk-size) to price them",
+                                    layout.base)
+                elif layout.family not in found or found[layout.family].size < layout.size:
+                    found[layout.family] = layout
+
+        look("keys_with_suffix", suffix=first_hex)
+        if first_chunk is not None:
+            look("keys_containing", part=f"@{first_chunk}@")
+        if not found and not self.layouts:
+            look("keys_with_suffix", suffix="")
         changed = False
         for layout in found.values():
             if layout in self.layouts:

@@ -61,3 +61,49 @@ def test_the_in_tree_store_connectors_keys_are_read_as_vllm_builds_them(cache_pr
     layout, rank = Layout.of(keys[1])
     assert (layout.kind, layout.size, rank) == ("vllm", 2, 1)
     assert layout.keys([block]) == keys
+
+
+# LMCache 0.5.6 inside vLLM (TokenDatabase.__init__, _hash_tokens), run in an engine-like
+# process whose PYTHONHASHSEED seeds Python's string hash: the hash function is vLLM's by
+# name, Python's hash where vLLM has none of that name (builtin); the chain starts from
+# vLLM's NONE_HASH made with it; digests are folded to the int of their first 8 bytes.
+LMCACHE_IN_VLLM = """
+import json, sys
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils as kcu
+algorithm, chunk, tokens = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+try:
+    fn = get_hash_fn_by_name(algorithm)
+except ValueError:
+    fn = hash
+def to_int(h):
+    return int.from_bytes(h[:8], "big") if isinstance(h, bytes) else h
+kcu.init_none_hash(fn)
+parent, out = to_int(kcu.NONE_HASH), []
+for i in range(len(tokens) // chunk):
+    parent = to_int(fn((parent, tuple(tokens[i * chunk:(i + 1) * chunk]), ())))
+    out.append(f"{parent:x}")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("algorithm,seed", [("builtin", "0"), ("builtin", "77"),
+                                            ("sha256", None), ("sha256_cbor", "5")])
+def test_lmcache_chunk_hashes_match_lmcache_inside_vllm(algorithm, seed):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mooncake_plugins.conductor.router.lmcache_hashes import LmcacheChunkHashes
+
+    tokens = [random.Random(3).randrange(32000) for _ in range(3 * 32 + 5)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if seed is not None:
+        env["PYTHONHASHSEED"] = seed
+    theirs = json.loads(subprocess.run(
+        [sys.executable, "-c", LMCACHE_IN_VLLM, algorithm, "32", json.dumps(tokens)],
+        env=env, capture_output=True, text=True, check=True, timeout=300).stdout)
+    assert len(theirs) == 3
+    assert LmcacheChunkHashes(32, algorithm, seed).of(tokens) == theirs
+    assert LmcacheChunkHashes(32, algorithm, "78").of(tokens)[0] != theirs[0]
