@@ -281,11 +281,12 @@ async def replay(router: str, model: str, requests: list[TraceRequest]) -> list[
         async with session.post(router + "/v1/completions", json=body) as resp:
             status = resp.status
             predicted = resp.headers.get("X-Conductor-Predicted-TTFT")
+            instance = resp.headers.get("X-Conductor-Prefill")
             async for line in resp.content:
                 if line.startswith(b"data: {") and b'"error"' not in line:
                     stamps.append(time.perf_counter())
         out = {"status": status, "sent": sent, "tokens": len(stamps),
-               "predicted": float(predicted) if predicted else None}
+               "predicted": float(predicted) if predicted else None, "instance": instance}
         if status == 200 and stamps:
             out["ttft"] = stamps[0] - sent
             out["tbt"] = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
@@ -486,6 +487,7 @@ def main() -> None:
                 "sim_tbt_p50_s": sim.tbt.p50, "sim_rejected": sim.rejected,
                 "per_request": [{"ttft": r.get("ttft"), "tbt": r.get("tbt"),
                                  "status": r["status"], "predicted": r["predicted"],
+                                 "instance": r["instance"],
                                  "sim_ttft": o.ttft_s,
                                  "sim_tbt": o.tbt_s, "sim_instance": o.prefill}
                                 for r, o in zip(results, sim.outcomes)],

@@ -736,7 +736,9 @@ class _Replay:
                 if a >= t1:
                     break
                 span -= min(b, t1) - max(a, t0)
-        return span
+        # never below 0: back-to-back prefills covering the span can round it to -3e-17,
+        # and a batch's step count must not go back (its join list is kept sorted by it)
+        return max(0.0, span)
 
     def _after_stepping(self, instance: int, t0: float, stepping_s: float) -> float:
         """When decode ``instance`` has stepped ``stepping_s`` seconds from ``t0``."""

@@ -409,6 +409,20 @@ def test_a_step_delay_moves_when_the_prefix_is_ready_and_a_single_token_finish()
     assert replay.finish[1] == pytest.approx(3 * p)
 
 
+def test_back_to_back_prefills_never_step_a_colocated_batch_backwards() -> None:
+    """A span two back-to-back prefills cover has no decode stepping: exactly 0, not
+    the -2.8e-17 its float arithmetic gave, which once moved a batch's step count back,
+    unsorted its join list and crashed a replay (IndexError) in conductor_bench."""
+    from mooncake_plugins.conductor.sim import _Replay
+    cluster = ClusterConfig(num_prefill=1, num_decode=1, cost=FLAT, colocated=True)
+    replay = _Replay([_req(0, (1, 2))], RoundRobinPolicy(FLAT), cluster, SLO, 1.0)
+    replay.prefills[0].extend([(0.14412841961525394, 0.37756124510907396),
+                               (0.37756124510907396, 0.5422092011553494)])
+    assert replay._stepping_s(0, 0.15, 0.43244389712449915) == 0.0
+    assert replay._stepping_s(0, 0.1, 0.6) == pytest.approx(0.5 - (0.5422092011553494
+                                                                   - 0.14412841961525394))
+
+
 def test_a_prompt_that_waits_for_a_slot_shares_no_step_with_those_before() -> None:
     """One slot: A decodes 100 steps; B waits for A's last token, C for B's. C starts
     after a gap, so B's first token does not wait for C's tokens."""
