@@ -20,7 +20,9 @@ and the simulator's policy price with the model of the engine alone; the simulat
 stretches each prefill by the share of other instances busy when it starts
 (``ClusterConfig.shared_slowdown``), with colocated instances (their decode waits while
 they prefill) unless ``--pd``. Between policies the engines' prefix caches (and the
-store) are emptied and the router restarted.
+store) are emptied and the router restarted; each router then replays the trace's next
+``--warmup`` requests (40; not measured) before the measured ones, so that it starts
+them with what it learned under load, as in service (``--warmup 0``: cold).
 
 Per policy: requests served and rejected, TTFT p50/p99 and TBT p50 (client side: to the
 first streamed token, then between tokens), goodput (requests that met both SLOs per
@@ -311,6 +313,10 @@ def calibrate(model: str, instances: list[str], out: Path, store: str | None = N
     return CostModel(**json.loads(out.read_text()))
 
 
+WARMUP_PAUSE_S = 1.0
+"""Between the warm-up requests' end and the measured ones: the engines are idle again."""
+
+
 def counter(url: str, name: str) -> float:
     """A counter of the server's ``/metrics`` at ``url`` (summed over its labels)."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
@@ -385,11 +391,17 @@ def main() -> None:
                     "before the slice (its times are taken from the slice's first)")
     ap.add_argument("--time-scale", type=float, default=0.05,
                     help="trace time multiplier (0.05: 20x faster arrivals)")
+    ap.add_argument("--warmup", type=int, default=40, metavar="N",
+                    help="replay the trace's next N requests through each router first "
+                    "(not measured; the engines keep what they cached): the router then "
+                    "starts the measured ones with what it learned under load, as in "
+                    "service, not cold (0: cold)")
     ap.add_argument("--max-blocks", type=int, default=14)
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--slo-ttft", type=float, default=1.0)
     ap.add_argument("--slo-tbt", type=float, default=0.1)
-    ap.add_argument("--policies", default="round_robin,cache_aware,conductor:raw,conductor",
+    ap.add_argument("--policies",
+                    default="round_robin,cache_aware,conductor:raw,conductor,conductor:q90",
                     help="policies in turn; conductor:raw prices with the calibrated model "
                     "as it is, conductor also scales it per instance by the measured / "
                     "predicted TTFT of what it served, conductor:qNN also refuses by the "
@@ -417,11 +429,16 @@ def main() -> None:
         ap.error(f"--max-num-batched-tokens {a.max_num_batched_tokens}: 0 or more")
     if a.rounds < 1:
         ap.error(f"--rounds {a.rounds}: at least one")
+    if a.warmup < 0:
+        ap.error(f"--warmup {a.warmup}: 0 or more")
     slo = Slo(a.slo_ttft, a.slo_tbt)
     trace = load_trace(a.trace)
     if not 0 <= a.skip < len(trace):
         ap.error(f"--skip {a.skip}: the trace has {len(trace)} requests")
     requests = scaled(trace[a.skip:], a.requests, a.max_blocks, a.max_output, a.time_scale)
+    # the trace's next requests, replayed before the measured ones (not measured)
+    warmup = scaled(trace[a.skip + a.requests:], a.warmup, a.max_blocks, a.max_output,
+                    a.time_scale) if a.warmup else []
     tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-"))
     model = a.model or tiny_model(tmp / "model")
     roles = ["prefill", "decode"] if a.pd else ["both"] * ENGINES
@@ -464,6 +481,11 @@ def main() -> None:
         for turn, name in itertools.product(range(a.rounds), a.policies.split(",")):
             cluster.reset_caches()
             router = cluster.start_router(name, slo, cost_file)
+            if warmup:
+                warm = summarize(asyncio.run(replay(router, model, warmup)), slo)
+                log(f"warm-up with {name}: {len(warmup)} requests, {warm['served']} served, "
+                    f"{warm['rejected']} refused")
+                time.sleep(WARMUP_PAUSE_S)
             log(f"round {turn + 1}/{a.rounds}: replaying {len(requests)} requests with {name}")
             hits_before = cluster.hit_tokens()
             results = asyncio.run(replay(router, model, requests))
