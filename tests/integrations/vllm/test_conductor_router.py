@@ -404,6 +404,41 @@ def test_an_overload_is_refused_before_it_reaches_an_engine(tiny_llama, tmp_path
             codes.count(429)
 
 
+def test_a_warm_router_serves_only_what_meets_the_slo_under_overload(tiny_llama, tmp_path):
+    """The conductor refusing by the 0.9 quantile of its recent estimate errors
+    (``--slo-quantile 0.9``), warmed on bursts of long prompts (its TTFT ratios and errors
+    learned under load, as in service), then a burst of twelve against a 1 s TTFT
+    objective: it refuses some at once, and every request it serves has its first token
+    within the SLO, as this client times it (to the answer's headers, which the router
+    sends with the first token)."""
+    slo_s = 1.0
+    args = ["--policy", "conductor", "--slo-ttft", str(slo_s), "--slo-tbt", "1",
+            "--slo-quantile", "0.9"]
+    with _cluster(tiny_llama, tmp_path, events=False, router_args=args) as (router, _, _):
+        def ask(seed: int) -> tuple[int, float | None]:
+            req = urllib.request.Request(f"{router}/v1/completions", json.dumps({
+                "model": tiny_llama, "prompt": prompt_tokens(14 * BLOCK, seed),
+                "max_tokens": 4, "ignore_eos": True, "temperature": 0.0,
+                "stream": True}).encode(), {"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            try:
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    first = time.perf_counter() - t0
+                    resp.read()
+                return 200, first
+            except urllib.error.HTTPError as exc:
+                return exc.code, None
+
+        with ThreadPoolExecutor(12) as pool:
+            for burst in range(8):   # four at once, two an engine: most are served
+                list(pool.map(ask, range(300 + 4 * burst, 304 + 4 * burst)))
+            assert sum(i["ttft_samples"] for i in http(f"{router}/instances")) >= 16
+            answers = list(pool.map(ask, range(400, 412)))
+        codes = [code for code, _ in answers]
+        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, answers
+        assert all(first <= slo_s for code, first in answers if code == 200), answers
+
+
 def test_prompts_batched_into_one_prefill_step_are_priced_together(tiny_llama, tmp_path):
     """An engine with --max-num-batched-tokens 8192 prefills the three 1,792-token prompts
     of a burst of four that came while the first prefilled in one step: their first
