@@ -221,6 +221,7 @@ class Cluster:
                "--policy", policy, "--slo-ttft", str(slo.ttft_s), "--slo-tbt", str(slo.tbt_s),
                "--cost-model", str(cost_file), "--block-tokens", str(BLOCK),
                "--decode-max-batch", "4", "--port", str(port), "--log-level", "WARNING",
+               "--decision-headers",
                *(["--store", self.store] if self.store else []),
                *(["--max-num-batched-tokens", str(self.step_tokens)]
                  if self.step_tokens else []),

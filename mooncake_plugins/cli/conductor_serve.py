@@ -97,6 +97,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--no-ttft-correction", action="store_true",
                        help="price with the cost model as it is, not scaled per instance "
                        "by the measured / predicted TTFT of its streamed requests")
+    serve.add_argument("--decision-headers", action="store_true",
+                       help="name in each answer's X-Conductor-Prefill, -Decode and "
+                       "-Predicted-TTFT headers the instances chosen and the TTFT estimate "
+                       "(they show clients the engines' addresses)")
     serve.add_argument("--no-early-reject", action="store_true",
                        help="conductor: serve every request even when predicted late")
     serve.add_argument("--slo-quantile", type=float, metavar="Q",
@@ -261,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                                      kv_events_timeout_s=args.kv_events_timeout, store=store,
                                      correct_ttft=not args.no_ttft_correction,
                                      slo_quantile=args.slo_quantile,
+                                     decision_headers=args.decision_headers,
                                      prefill_step_tokens=args.max_num_batched_tokens),
                         Hasher(args.block_tokens, tokenize), pool)
     except ValueError as exc:

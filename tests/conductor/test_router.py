@@ -85,7 +85,8 @@ def test_round_robin_alternates():
         async with AsyncExitStack() as stack:
             urls = [await serve(stack, a), await serve(stack, b)]
             client = await stack.enter_async_context(TestClient(TestServer(
-                router("round_robin", [(u, "both") for u in urls]).app())))
+                router("round_robin", [(u, "both") for u in urls],
+                       decision_headers=True).app())))
             ids = []
             for i in range(6):
                 resp = await client.post("/v1/completions", json=complete(PREFIX + str(i)))
@@ -201,6 +202,8 @@ def test_a_stream_is_relayed_intact():
             resp = await client.post("/v1/chat/completions", json={
                 "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
             assert resp.headers["Content-Type"].startswith("text/event-stream")
+            # the engines' addresses are not shown unless asked (--decision-headers)
+            assert not any(h.startswith("X-Conductor") for h in resp.headers)
             events = (await resp.text()).strip().split("\n\n")
             assert events[-1] == "data: [DONE]" and len(events) == 6
 
@@ -213,7 +216,8 @@ def test_pd_requests_carry_the_prefill_handle_to_the_decode():
         async with AsyncExitStack() as stack:
             pu, du = await serve(stack, p), await serve(stack, d)
             client = await stack.enter_async_context(TestClient(TestServer(
-                router("conductor", [(pu, "prefill"), (du, "decode")]).app())))
+                router("conductor", [(pu, "prefill"), (du, "decode")],
+                       decision_headers=True).app())))
             resp = await client.post("/v1/completions", json=complete("hello", stream=True))
             assert resp.status == 200 and "data: [DONE]" in await resp.text()
             (first,) = p.seen

@@ -79,6 +79,10 @@ class RouterConfig:
     this quantile of the recent measured / estimated TTFT ratios, breaks the TTFT SLO
     (0.9: the requests served meet it about 9 times in 10 while estimates err as they
     did lately). None: refuse on the estimate alone."""
+    decision_headers: bool = False
+    """Name in each answer's headers the instances chosen and the TTFT it was admitted
+    with (``X-Conductor-*``): for a client that times the router's estimates; off by
+    default, as they show clients the engines' internal addresses."""
     prefill_step_tokens: int | None = None
     """The engines' ``--max-num-batched-tokens``: they prefill what waits in steps of up
     to this many tokens, so a request's first token comes with the later prompts that
@@ -308,7 +312,8 @@ class Router:
                       " in the store" if decision.pull_from == POOL else "", prefill.url,
                       decode.url, decision.predicted_ttft_s)
             chosen = {"X-Conductor-Prefill": prefill.url, "X-Conductor-Decode": decode.url,
-                      "X-Conductor-Predicted-TTFT": f"{decision.predicted_ttft_s:.4f}"}
+                      "X-Conductor-Predicted-TTFT": f"{decision.predicted_ttft_s:.4f}"
+                      } if self.config.decision_headers else {}
             try:
                 if decode is prefill:
                     return await self._forward(request, body, rid, prefill, "both", chosen)
@@ -341,7 +346,8 @@ class Router:
                        side: str, chosen: dict[str, str], started: Instance | None = None
                        ) -> web.StreamResponse:
         """Send ``body`` to ``inst`` and relay its answer as it comes, with the headers
-        ``chosen`` (the instances and the TTFT the request was admitted with)."""
+        ``chosen`` (the instances and the TTFT the request was admitted with, where the
+        router names them)."""
         self.metrics.routed.labels(inst.url, side).inc()
         t0 = time.perf_counter()
         try:
