@@ -29,7 +29,10 @@ first streamed token, then between tokens), goodput (requests that met both SLOs
 second of the run), the prompt tokens the engines found in their own prefix cache and
 those they loaded through a connector (vLLM's counters) beside those the router routed to
 be loaded from the store, and the simulator's figures for the same requests with the ratio of
-its TTFT p50 to the measured one. Then the simulator once more, checked on what the
+its TTFT p50 to the measured one; the router's estimates (each answer's
+``X-Conductor-Predicted-TTFT``) against the TTFT measured, p50 and p90, and how many
+served requests were late (goodput divides by the run's own span, shorter for a policy
+that refuses more: compare the within-SLO counts too). Then the simulator once more, checked on what the
 calibration cannot see: the host's contention in the replay (the engines' API servers,
 the router and the client share the cores with the engines) fitted as
 ``shared_slowdown`` so that its round robin has the TTFT p50 measured in round robin's
