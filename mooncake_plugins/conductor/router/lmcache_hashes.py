@@ -25,7 +25,7 @@ import subprocess
 import sys
 from typing import Any, Callable, Sequence
 
-from .vllm_hashes import DEFAULT_SEED, _sha256, _sha256_cbor
+from .vllm_hashes import DEFAULT_SEED, _sha256, _sha256_cbor, chained
 
 ALGORITHMS = ("builtin", "sha256", "sha256_cbor")
 
@@ -80,13 +80,8 @@ class LmcacheChunkHashes:
         else:
             self._root = string_hash(seed, seed)
 
-    def of(self, token_ids: Sequence[int], limit: int | None = None) -> list[str]:
-        """Hex hashes (as in LMCache's keys) of the full chunks of ``token_ids``, at most
-        ``limit``, in order."""
-        n = self.chunk_size
-        count = len(token_ids) // n if limit is None else min(limit, len(token_ids) // n)
-        out, parent = [], self._root
-        for i in range(count):
-            parent = self._hash((parent, tuple(token_ids[i * n:(i + 1) * n]), ()))
-            out.append(f"{parent:x}")
-        return out
+    def of(self, token_ids: Sequence[int]) -> list[str]:
+        """Hex hashes (as in LMCache's keys) of the full chunks of ``token_ids``, in
+        order."""
+        return [f"{h:x}" for h in chained(self._hash, self._root, token_ids,
+                                          self.chunk_size, len(token_ids), ())]

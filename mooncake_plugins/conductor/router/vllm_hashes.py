@@ -32,6 +32,18 @@ def _sha256_cbor(obj: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
+def chained(hash_fn: Callable[[Any], Any], root: Any, token_ids: Sequence[int], size: int,
+            count: int, extra: Any) -> list[Any]:
+    """The first ``count`` full ``size``-token pieces of ``token_ids`` hashed in a chain
+    from ``root``: each ``hash_fn((previous hash, tuple of its token ids, extra))`` (vLLM's
+    blocks with ``extra`` None, LMCache's chunks with ``()``)."""
+    out, parent = [], root
+    for i in range(min(count, len(token_ids) // size)):
+        parent = hash_fn((parent, tuple(token_ids[i * size:(i + 1) * size]), extra))
+        out.append(parent)
+    return out
+
+
 class VllmBlockHashes:
     """Block hashes as a vLLM engine started with ``--prefix-caching-hash-algo algorithm``
     and ``PYTHONHASHSEED=seed`` (None: unset) computes them.
@@ -54,10 +66,5 @@ class VllmBlockHashes:
 
     def of(self, token_ids: Sequence[int], limit: int | None = None) -> list[bytes]:
         """Hashes of the full blocks of ``token_ids`` (at most ``limit``), in order."""
-        n = self.block_size
-        count = len(token_ids) // n if limit is None else min(limit, len(token_ids) // n)
-        out, parent = [], self._root
-        for i in range(count):
-            parent = self._hash((parent, tuple(token_ids[i * n:(i + 1) * n]), None))
-            out.append(parent)
-        return out
+        return chained(self._hash, self._root, token_ids, self.block_size,
+                       len(token_ids) if limit is None else limit, None)
