@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mooncake_plugins.conductor.router.engine_load import EngineLoad, parse_engine_load
+
+REAL_PAGE = Path(__file__).parent / "data" / "vllm_0.32_metrics.txt"
 
 PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -38,6 +43,28 @@ def test_counts_are_summed_over_engines_and_means_taken_from_the_histograms():
                                                  mean_prompt_tokens=300.0,
                                                  mean_output_tokens=16.0,
                                                  block_size=128)
+
+
+def test_a_real_vllm_page_reads_as_parsed_whole():
+    """Only the lines read are parsed (a vLLM page is mostly histogram buckets): a real
+    page gives what the whole page parsed holds."""
+    page = REAL_PAGE.read_text()
+    whole = {sample.name: sample for family in text_string_to_metric_families(page)
+             for sample in family.samples}
+    prompts = whole["vllm:request_prompt_tokens_sum"].value / \
+        whole["vllm:request_prompt_tokens_count"].value
+    outputs = whole["vllm:request_generation_tokens_sum"].value / \
+        whole["vllm:request_generation_tokens_count"].value
+    assert (prompts, outputs) == (1801 / 3, 4.0)
+    assert parse_engine_load(page) == EngineLoad(
+        round(whole["vllm:num_requests_running"].value),
+        round(whole["vllm:num_requests_waiting"].value), prompts, outputs,
+        int(whole["vllm:cache_config_info"].labels["block_size"]))
+
+
+def test_a_malformed_line_of_a_metric_not_read_is_not_looked_at():
+    page = 'vllm:num_requests_running 2.0\nvllm:time_to_first_token_seconds_bucket{le="1" 3\n'
+    assert parse_engine_load(page) == EngineLoad(2, 0)
 
 
 @pytest.mark.parametrize("label", ['block_size="none"', 'block_size="0"', 'block_size="-16"',

@@ -17,6 +17,8 @@ WAITING = "vllm:num_requests_waiting"
 PROMPT = "vllm:request_prompt_tokens"
 OUTPUT = "vllm:request_generation_tokens"
 CACHE_CONFIG = "vllm:cache_config_info"
+_SAMPLES = (RUNNING, WAITING, f"{PROMPT}_sum", f"{PROMPT}_count", f"{OUTPUT}_sum",
+            f"{OUTPUT}_count", CACHE_CONFIG)
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,12 @@ class EngineLoad:
 
 def parse_engine_load(page: str) -> EngineLoad | None:
     """The load in ``page``, a Prometheus text page from a vLLM server; None where it has
-    no ``vllm:num_requests_running`` (not a vLLM engine). ValueError: a malformed page,
-    or a count that is negative or not finite."""
+    no ``vllm:num_requests_running`` (not a vLLM engine). ValueError: a malformed line
+    among those read (:func:`_read_lines`; the others are not looked at), or a count
+    that is negative or not finite."""
     sums: dict[str, float] = {}
     block_size = None
-    for family in text_string_to_metric_families(page):
+    for family in text_string_to_metric_families(_read_lines(page)):
         for sample in family.samples:
             if sample.name == CACHE_CONFIG and block_size is None:
                 size = sample.labels.get("block_size", "")
@@ -58,3 +61,13 @@ def parse_engine_load(page: str) -> EngineLoad | None:
 
     return EngineLoad(round(sums[RUNNING]), round(sums.get(WAITING, 0.0)), mean(PROMPT),
                       mean(OUTPUT), block_size)
+
+
+def _read_lines(page: str) -> str:
+    """The lines of ``page`` that start with the name of a sample read here. A vLLM
+    page has hundreds of lines, mostly histogram buckets: parsed whole, one of 614 lines
+    took 24-28 ms on this project's 2-core VM, while the router's event loop, which
+    forwards every stream, waited. Fed only these lines the parser reads the same
+    samples (a family's type and help lines are not needed for them) in about 1 ms."""
+    lines = [line for line in page.splitlines() if line.startswith(_SAMPLES)]
+    return "\n".join(lines) + "\n" if lines else ""
