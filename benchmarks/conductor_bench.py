@@ -400,12 +400,6 @@ def as_sent(requests: list[TraceRequest], per_request: list[dict]
             for i in order], order
 
 
-def served_ttft_p50(replayed: list[dict]) -> float | None:
-    """The TTFT p50 of the served requests of one replay (None: none served)."""
-    ttfts = [r["ttft"] for r in replayed if r["status"] == 200 and r.get("ttft")]
-    return statistics.median(ttfts) if ttfts else None
-
-
 def check_round(rows: dict[str, Any], turn: int, requests: list[TraceRequest],
                 cluster_cfg: ClusterConfig, cost: CostModel, slo: Slo) -> float | None:
     """The simulator against round ``turn``'s replays: ``shared_slowdown`` fitted on its
@@ -415,11 +409,11 @@ def check_round(rows: dict[str, Any], turn: int, requests: list[TraceRequest],
     nothing)."""
     def replayed(row: dict) -> list[dict]:
         return row["per_request"] if turn == 0 else row["later_rounds_requests"][turn - 1]
-    rr = replayed(rows["round_robin"])
-    rr_p50 = served_ttft_p50(rr)
+    rr_p50 = rows["round_robin"]["rounds"][turn]["ttft_p50_s"]
     if rr_p50 is None:
         return None
-    fitted = fit_contention(as_sent(requests, rr)[0], cluster_cfg, slo, rr_p50)
+    fitted = fit_contention(as_sent(requests, replayed(rows["round_robin"]))[0],
+                            cluster_cfg, slo, rr_p50)
     fitted_cfg = dataclasses.replace(cluster_cfg, shared_slowdown=fitted)
     for name, row in rows.items():
         replay_ = replayed(row)
@@ -428,8 +422,8 @@ def check_round(rows: dict[str, Any], turn: int, requests: list[TraceRequest],
                                             early_reject=False),
                                 [replay_[i]["status"] == 429 for i in order])
         simulated = simulate(sent, policy, fitted_cfg, slo).ttft.p50
-        row.setdefault("fitted", []).append(
-            (served_ttft_p50(replay_), simulated if simulated == simulated else None))
+        row.setdefault("fitted", []).append((row["rounds"][turn]["ttft_p50_s"],
+                                             simulated if simulated == simulated else None))
     return fitted
 
 
@@ -597,6 +591,9 @@ def main() -> None:
         # refusals and the arrivals of its own replay in that round
         fitted = [check_round(rows, turn, requests, cluster_cfg, cost, slo)
                   for turn in range(a.rounds)] if "round_robin" in rows else []
+        for row in rows.values():
+            ratios = [sim / meas for meas, sim in row.get("fitted", ()) if meas and sim is not None]
+            row["sim_fitted_ratio"] = statistics.median(ratios) if ratios else None
     finally:
         cluster.stop()
         if a.keep_logs:
@@ -636,7 +633,6 @@ def main() -> None:
               "its replay in that round: simulated / measured TTFT p50 per round")
         for name, r in rows.items():
             ratios = [sim / meas for meas, sim in r["fitted"] if meas and sim is not None]
-            r["sim_fitted_ratio"] = statistics.median(ratios) if ratios else None
             cells = " ".join(f"{sim / meas:5.2f}x" if meas and sim is not None else "    -"
                              for meas, sim in r["fitted"])
             worst = max((abs(x - 1) for x in ratios), default=float("nan"))
