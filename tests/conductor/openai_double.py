@@ -1,20 +1,22 @@
 """A TEST DOUBLE of a vLLM OpenAI server, for the router's logic tests: it records the
 bodies it receives and answers completions (JSON or a stream of server-sent events) after
 ``delay_s`` (plus ``per_token_s`` per prompt token, and ``step_s`` between streamed
-tokens, plus ``step_per_stream_s`` per stream it sends at that time, for calibration); it can die in the middle of a streamed answer (``die_mid_stream``) and, as a
-P/D prefill side, answers with a kv_transfer_params handle (``handle``: :data:`HANDLE`
-naming this double as the remote engine). As a decode side given a
-handle it "loads" the prompt in ``transfer_per_token_s`` a token instead of computing
-it, and counts the loaded tokens in ``/metrics`` as vLLM does (unless ``loads`` is
-False: it recomputes). Beside a store: ``saves`` is called with each prompt it answered,
-and ``store_hits`` tells how many of a prompt's tokens the store holds, which it "loads"
-in ``store_load_s`` plus ``transfer_per_token_s`` a token (counted as above). Its
-``/metrics`` also reports ``running`` and ``waiting`` requests and the mean prompt
-``mean_prompt`` of finished ones as vLLM's gauges and histogram (set them to model load
-that bypasses the router) and, where ``block_size`` is set, vLLM's
-``vllm:cache_config_info``, or ``metrics_page`` instead where set, after
-``metrics_delay_s``. Real vLLM engines behind the router are tested in
-tests/integrations/vllm/test_conductor_router.py."""
+tokens, plus ``step_per_stream_s`` per stream it sends at that time, for calibration;
+``tokens_per_event`` tokens an event after the first, as a lagging vLLM API server sends
+them, and the usage last where the request asks ``stream_options.include_usage``); it can
+die in the middle of a streamed answer (``die_mid_stream``) and, as a P/D prefill side,
+answers with a kv_transfer_params handle (``handle``: :data:`HANDLE` naming this double
+as the remote engine). As a decode side given a handle it "loads" the prompt in
+``transfer_per_token_s`` a token instead of computing it, and counts the loaded tokens in
+``/metrics`` as vLLM does (unless ``loads`` is False: it recomputes). Beside a store:
+``saves`` is called with each prompt it answered, and ``store_hits`` tells how many of a
+prompt's tokens the store holds, which it "loads" in ``store_load_s`` plus
+``transfer_per_token_s`` a token (counted as above). Its ``/metrics`` also reports
+``running`` and ``waiting`` requests and the mean prompt ``mean_prompt`` of finished ones
+as vLLM's gauges and histogram (set them to model load that bypasses the router) and,
+where ``block_size`` is set, vLLM's ``vllm:cache_config_info``, or ``metrics_page``
+instead where set, after ``metrics_delay_s``. Real vLLM engines behind the router are
+tested in tests/integrations/vllm/test_conductor_router.py."""
 
 from __future__ import annotations
 
@@ -37,13 +39,14 @@ class OpenAIDouble:
                  step_per_stream_s: float = 0.0,
                  saves: Callable[[list[int]], None] | None = None,
                  store_hits: Callable[[list[int]], int] | None = None,
-                 store_load_s: float = 0.0) -> None:
+                 store_load_s: float = 0.0, tokens_per_event: int = 1) -> None:
         self.name, self.delay_s, self.chunks = name, delay_s, chunks
         self.die_mid_stream, self.prefill = die_mid_stream, prefill
         self.per_token_s, self.step_s = per_token_s, step_s   # a modelled engine's speed
         self.transfer_per_token_s, self.loads = transfer_per_token_s, loads
         self.step_per_stream_s, self.streaming = step_per_stream_s, 0   # a batch's cost
         self.saves, self.store_hits, self.store_load_s = saves, store_hits, store_load_s
+        self.tokens_per_event = tokens_per_event   # >1: a lagging API server's events
         self.loaded_tokens = 0
         self.health_delay_s = 0.0
         self.running = self.waiting = 0
@@ -80,13 +83,20 @@ class OpenAIDouble:
         await out.prepare(request)
         self.streaming += 1
         try:
-            for i in range(body.get("max_tokens", self.chunks) if self.step_s else self.chunks):
+            output = body.get("max_tokens", self.chunks) if self.step_s else self.chunks
+            for i in range(output):
                 if i:
                     await asyncio.sleep(self.step_s + self.step_per_stream_s * self.streaming)
+                if i and i % self.tokens_per_event and i < output - 1:
+                    continue   # this token goes in one event with the next
                 await out.write(f"data: {json.dumps({'id': self.name, 'n': i})}\n\n".encode())
                 if self.die_mid_stream:
                     request.transport.close()   # the engine process died
                     return out
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": tokens, "completion_tokens": output}
+                last = {"id": self.name, "choices": [], "usage": usage}
+                await out.write(f"data: {json.dumps(last)}\n\n".encode())
         finally:
             self.streaming -= 1
         await out.write(b"data: [DONE]\n\n")

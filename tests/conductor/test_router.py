@@ -579,6 +579,36 @@ def test_the_decode_pace_is_learned_from_streamed_answers():
     assert learned == pytest.approx(1.0 + 0.02 * inst.tbt.ratio, abs=0.01)
 
 
+def test_the_decode_pace_counts_tokens_not_events_where_the_usage_came():
+    """An engine that sends its 32 tokens four to an event after the first (as vLLM's
+    API server does when it lags): where the client asked for the usage, the router
+    counts the 31 tokens after the first, at the engine's 10 ms a token; where it did
+    not, it can only count the 8 events, as if each were one token 40 ms apart."""
+    async def paces(usage: bool) -> list[tuple[int, float]]:
+        engine = OpenAIDouble("a", step_s=0.01, tokens_per_event=4)
+        async with AsyncExitStack() as stack:
+            url = await serve(stack, engine)
+            r = router("round_robin", [(url, "both")])
+            seen: list[tuple[int, float]] = []
+            decoded = r.decoded
+            r.decoded = lambda inst, tokens, seconds: (seen.append((tokens, seconds)),
+                                                       decoded(inst, tokens, seconds))
+            client = await stack.enter_async_context(TestClient(TestServer(r.app())))
+            for i in range(3):
+                resp = await client.post("/v1/completions", json=complete(
+                    f"{i} " + PREFIX, max_tokens=32, stream=True,
+                    **({"stream_options": {"include_usage": True}} if usage else {})))
+                text = await resp.text()
+                assert resp.status == 200 and ('"completion_tokens": 32' in text) == usage
+            return seen
+
+    with_usage, without = run(paces(True)), run(paces(False))
+    assert [tokens for tokens, _ in with_usage] == [31] * 3
+    assert all(0.009 < seconds / tokens < 0.03 for tokens, seconds in with_usage), with_usage
+    assert [tokens for tokens, _ in without] == [8] * 3
+    assert all(seconds / tokens > 0.036 for tokens, seconds in without), without
+
+
 def test_pd_requests_take_a_decode_slot_only_from_their_first_token():
     """One decode slot: three requests queue on one prefill instance (0.2 s each) and
     each decodes for a few ms once its prefill is done, so one slot serves them in

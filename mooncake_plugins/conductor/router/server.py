@@ -26,6 +26,7 @@ import itertools
 import json
 import logging
 import math
+import re
 import statistics
 import time
 from collections import deque
@@ -364,8 +365,9 @@ class Router:
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 raise _Unreachable(inst, repr(exc)) from exc   # nothing relayed yet
             await out.prepare(request)
-            # server-sent events that came after the first chunk, from t_first to t_last
-            events, t_first = 0, 0.0
+            # server-sent events that came after the first chunk, from t_first to t_last,
+            # and the last chunk that carried the answer's usage (where the client asked)
+            events, t_first, usage = 0, 0.0, b""
             while chunk:
                 if first:
                     first = False
@@ -376,10 +378,12 @@ class Router:
                 else:
                     events += chunk.count(b"data: {")
                     t_last = time.perf_counter()
+                    if b'"completion_tokens"' in chunk:
+                        usage = chunk
                 await out.write(chunk)
                 chunk = await resp.content.readany()
             if events > 0:   # a stream of tokens: its pace teaches the decode ratio
-                self.decoded(inst, events, t_last - t_first)
+                self.decoded(inst, _tokens_after_first(usage, events), t_last - t_first)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError,
                 aiohttp.ClientPayloadError) as exc:
             self.metrics.failed.labels(inst.url).inc()
@@ -567,6 +571,17 @@ class Router:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
         return app
+
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+def _tokens_after_first(usage: bytes, events: int) -> int:
+    """Tokens streamed after the first chunk: the answer's own count less one where its
+    usage came (``stream_options.include_usage``), else the ``events`` that followed (one
+    a token, but vLLM puts a few tokens in one event when its API server lags)."""
+    counts = _COMPLETION_TOKENS.findall(usage)
+    return int(counts[-1]) - 1 if counts else events
 
 
 class _Unreachable(Exception):
