@@ -29,7 +29,8 @@ store) are emptied and the router restarted; each router then replays the trace'
 them with what it learned under load, as in service (``--warmup 0``: cold).
 
 Per policy: requests served and rejected, TTFT p50/p99 and TBT p50 (client side: to the
-first streamed token, then between tokens), goodput (requests that met both SLOs per
+first streamed token, then between tokens, counted by the answer's usage: vLLM puts a few
+tokens in one event when its API server lags, ``merged`` answers), goodput (requests that met both SLOs per
 second of the run), the prompt tokens the engines found in their own prefix cache and
 those they loaded through a connector (vLLM's counters) beside those the router routed to
 be loaded from the store, and the simulator's figures for the same requests with the ratio of
@@ -291,20 +292,26 @@ async def replay(router: str, model: str, requests: list[TraceRequest]) -> list[
         sent = time.perf_counter()
         body = {"model": model, "prompt": tokens_of(list(r.hash_ids)),
                 "max_tokens": r.output_length, "ignore_eos": True, "stream": True,
-                "temperature": 0.0}
-        stamps: list[float] = []
+                "stream_options": {"include_usage": True}, "temperature": 0.0}
+        stamps: list[float] = []    # each event's arrival (one or a few tokens each)
+        tokens = None               # the answer's own count (its usage, last)
         async with session.post(router + "/v1/completions", json=body) as resp:
             status = resp.status
             predicted = resp.headers.get("X-Conductor-Predicted-TTFT")
             instance = resp.headers.get("X-Conductor-Prefill")
             async for line in resp.content:
                 if line.startswith(b"data: {") and b'"error"' not in line:
-                    stamps.append(time.perf_counter())
-        out = {"status": status, "sent": sent, "tokens": len(stamps),
+                    event = json.loads(line[len(b"data: "):])
+                    if event.get("choices"):
+                        stamps.append(time.perf_counter())
+                    elif event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+        tokens = len(stamps) if tokens is None else tokens
+        out = {"status": status, "sent": sent, "tokens": tokens, "events": len(stamps),
                "predicted": float(predicted) if predicted else None, "instance": instance}
         if status == 200 and stamps:
             out["ttft"] = stamps[0] - sent
-            out["tbt"] = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+            out["tbt"] = (stamps[-1] - stamps[0]) / max(1, tokens - 1)
             out["end"] = stamps[-1]
         return out
 
@@ -355,6 +362,8 @@ def summarize(results: list[dict], slo: Slo) -> dict:
             "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
             "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
             "tbt_p50_s": statistics.median(r["tbt"] for r in served) if served else None,
+            # answers with a few tokens in one event (vLLM's API server lagged)
+            "merged": sum(r["events"] < r["tokens"] for r in served),
             "goodput_rps": len(good) / span if span > 0 else 0.0}
 
 
@@ -557,7 +566,8 @@ def main() -> None:
             first_sent = min(r["sent"] for r in results)
             kept = [{"ttft": r.get("ttft"), "tbt": r.get("tbt"), "sent": r["sent"] - first_sent,
                      "status": r["status"], "predicted": r["predicted"],
-                     "instance": r["instance"]} for r in results]
+                     "instance": r["instance"], "tokens": r["tokens"],
+                     "events": r["events"]} for r in results]
             if turn:
                 log(f"{name}: " + ", ".join(f"{k} {v}" for k, v in measured.items()))
                 rows[name]["rounds"].append(measured)
