@@ -30,25 +30,25 @@ them with what it learned under load, as in service (``--warmup 0``: cold).
 
 Per policy: requests served and rejected, TTFT p50/p99 and TBT p50 (client side: to the
 first streamed token, then between tokens, counted by the answer's usage: vLLM puts a few
-tokens in one event when its API server lags, ``merged`` answers), goodput (requests that met both SLOs per
-second of the run), the prompt tokens the engines found in their own prefix cache and
-those they loaded through a connector (vLLM's counters) beside those the router routed to
-be loaded from the store, and the simulator's figures for the same requests with the ratio of
-its TTFT p50 to the measured one; the router's estimates (each answer's
-``X-Conductor-Predicted-TTFT``) against the TTFT measured, p50 and p90, and how many
-served requests were late (goodput divides by the run's own span, shorter for a policy
-that refuses more: compare the within-SLO counts too). Then the simulator once more,
-round by round (:func:`check_round`), checked on what the calibration cannot see: the
-host's contention in the replay (the engines' API servers, the router and the client
+tokens in one event when its API server lags, ``merged`` answers), goodput (requests that
+met both SLOs per second of the run), the prompt tokens the engines found in their own
+prefix cache and those they loaded through a connector (vLLM's counters) beside those the
+router routed to be loaded from the store, and the simulator's figures for the same
+requests with the ratio of its TTFT p50 to the measured one; the router's estimates (each
+answer's ``X-Conductor-Predicted-TTFT``) against the TTFT measured, p50 and p90, and how
+many served requests were late (goodput divides by the run's own span, shorter for a
+policy that refuses more: compare the within-SLO counts too). Then the simulator once
+more, round by round (:func:`check_round`), checked on what the calibration cannot see:
+the host's contention in the replay (the engines' API servers, the router and the client
 share the cores with the engines) fitted as ``shared_slowdown`` so that its round robin
-has the TTFT p50 measured in that round's round robin, and each policy given the
-refusals its live router made in that round (:class:`RefusingAsLive`), so that both time
-the same served requests, and the arrivals as its client sent them (:func:`as_sent`);
-the simulated / measured TTFT p50 per round and the median. With ``--rounds N`` every
-policy is replayed N times, policies in turn each round, and the measured figures are
-medians over the rounds (each round's are kept in the JSON, and every round's requests;
-the simulator's own per-request times are the first round's). Prints a table; writes
-JSON (with every request's measured and simulated times) to
+has the TTFT p50 measured in that round's round robin, and each policy given the refusals
+its live router made in that round (:class:`RefusingAsLive`), so that both time the same
+served requests, and the arrivals as its client sent them (:func:`as_sent`); the
+simulated / measured TTFT p50 per round and the median. With ``--rounds N`` every policy
+is replayed N times, policies in turn each round, and the measured figures are medians
+over the rounds (each round's are kept in the JSON, and every round's requests; the
+simulator's own per-request times are the first round's). Prints a table; writes JSON
+(with every request's measured and simulated times) to
 ``benchmarks/results/conductor_bench.json``. Run with the Python of an environment that
 has vLLM (``.venv-vllm/bin/python benchmarks/conductor_bench.py``).
 """
