@@ -601,9 +601,10 @@ def main() -> None:
         # refusals and the arrivals of its own replay in that round
         fitted = [check_round(rows, turn, requests, cluster_cfg, cost, slo)
                   for turn in range(a.rounds)] if "round_robin" in rows else []
-        for row in rows.values():
-            ratios = [sim / meas for meas, sim in row.get("fitted", ()) if meas and sim is not None]
-            row["sim_fitted_ratio"] = statistics.median(ratios) if ratios else None
+        ratios = {name: [sim / meas for meas, sim in row.get("fitted", ())
+                         if meas and sim is not None] for name, row in rows.items()}
+        for name, row in rows.items():
+            row["sim_fitted_ratio"] = statistics.median(ratios[name]) if ratios[name] else None
     finally:
         cluster.stop()
         if a.keep_logs:
@@ -642,10 +643,9 @@ def main() -> None:
               f"; calibrated {slowdown:.2f}), each policy given the refusals and arrivals of "
               "its replay in that round: simulated / measured TTFT p50 per round")
         for name, r in rows.items():
-            ratios = [sim / meas for meas, sim in r["fitted"] if meas and sim is not None]
             cells = " ".join(f"{sim / meas:5.2f}x" if meas and sim is not None else "    -"
                              for meas, sim in r["fitted"])
-            worst = max((abs(x - 1) for x in ratios), default=float("nan"))
+            worst = max((abs(x - 1) for x in ratios[name]), default=float("nan"))
             print(f"  {name:14} {cells}  (median {r['sim_fitted_ratio'] or float('nan'):.2f}x, "
                   f"furthest from 1: {worst:.0%} off)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
