@@ -77,6 +77,7 @@ def llm_generate(llm: Any) -> Generate:
             if c.logprobs else []
         return {"tokens": list(c.token_ids), "logprobs": logprobs,
                 "num_cached_tokens": out.num_cached_tokens,
+                "finish_reason": c.finish_reason,
                 "kv_transfer_params": out.kv_transfer_params}
 
     return generate
