@@ -76,6 +76,16 @@ def unclaimable_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free port below the ephemeral range (which starts at {low})")
 
 
+def unclaimable_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct :func:`unclaimable_port` ports."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = unclaimable_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def terminate_group(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int:
     """SIGTERM ``proc``'s process group, wait up to ``timeout_s``, then SIGKILL it.
 

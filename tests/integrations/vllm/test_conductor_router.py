@@ -24,7 +24,7 @@ from typing import Iterator
 import pytest
 from engines import START_S, engine_env, http, http_up
 from harness import store_config
-from helpers import free_port, terminate_group, wait_until
+from helpers import terminate_group, unclaimable_port, unclaimable_ports, wait_until
 from run_llm import prompt_tokens
 
 pytestmark = pytest.mark.timeout(900)
@@ -47,7 +47,7 @@ def _cluster(model: str, tmp_path, events: bool, store: str | None = None,
     one; else ``router_args``) up."""
     procs: list[subprocess.Popen] = []
     rpcs = [tempfile.mkdtemp(prefix="vllm-rpc-") for _ in range(2)]
-    ports = [free_port() for _ in range(5)]
+    ports = unclaimable_ports(5)
     urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
     endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[3:]]
     try:
@@ -201,7 +201,7 @@ def test_shared_prefixes_reach_their_first_token_sooner_than_round_robin(cluster
     summed over the fourteen requests is lower than round robin's."""
     router, urls, procs = cluster
     routers = {"cache_aware": router, **{
-        name: _start_router(urls, ["--policy", name], free_port(), tmp_path / f"{name}.out",
+        name: _start_router(urls, ["--policy", name], unclaimable_port(), tmp_path / f"{name}.out",
                             procs) for name in ("round_robin", "conductor")}}
     prefix_tokens, n_prefixes = 13 * BLOCK, 7
     for i, url in enumerate(urls):      # each engine's first long prompt, outside the timing
@@ -235,7 +235,7 @@ def test_load_sent_straight_to_an_engine_is_seen_in_its_metrics(tiny_llama, tmp_
     slow = ["--health-timeout", "10"]
     with _cluster(tiny_llama, tmp_path, events=False,
                   router_args=["--policy", "load_balance", *slow]) as (router, urls, procs):
-        conductor = _start_router(urls, ["--policy", "conductor", *slow], free_port(),
+        conductor = _start_router(urls, ["--policy", "conductor", *slow], unclaimable_port(),
                                   tmp_path / "conductor.out", procs)
 
         def external(r: str) -> int:
@@ -459,7 +459,7 @@ def test_prompts_batched_into_one_prefill_step_are_priced_together(tiny_llama, t
     the engine slower than it is. Bursts through both routers in turn over the same
     engine, its cost model calibrated on it."""
     rpc = tempfile.mkdtemp(prefix="vllm-rpc-")
-    port = free_port()
+    port = unclaimable_port()
     url = f"http://127.0.0.1:{port}"
     procs: list[subprocess.Popen] = []
     try:
@@ -483,7 +483,7 @@ def test_prompts_batched_into_one_prefill_step_are_priced_together(tiny_llama, t
         assert proc.returncode == 0, proc.stderr
         args = ["--policy", "conductor", "--slo-ttft", "100", "--slo-tbt", "100",
                 "--cost-model", str(cost)]
-        told, untold = (_start_router([url], args + extra, free_port(),
+        told, untold = (_start_router([url], args + extra, unclaimable_port(),
                                       tmp_path / f"router{i}.out", procs)
                         for i, extra in enumerate((["--max-num-batched-tokens", "8192"], [])))
 

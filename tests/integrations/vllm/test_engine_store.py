@@ -25,7 +25,7 @@ import pytest
 from engines import FULL_BLOCK_TOKENS, PROMPT_LEN, EngineSpec, engines_running, same_answer
 from framework_fixtures import running_store
 from harness import store_config
-from helpers import free_port, wait_until
+from helpers import unclaimable_port, wait_until
 from run_llm import prompt_tokens
 
 from mooncake_plugins.store.client import StoreClient
@@ -66,7 +66,7 @@ def test_store_connector_end_to_end_and_under_faults(tiny_llama, baseline, tmp_p
     p0, p1 = prompt_tokens(PROMPT_LEN, 0), prompt_tokens(PROMPT_LEN, 1)
     # the master comes up on this port after engine A started; 1 s read leases, so that
     # blocks B read a moment ago may be evicted; a killed holder's objects stay listed
-    port = free_port()
+    port = unclaimable_port()
     address = f"127.0.0.1:{port}"
     flags = ["--rpc_port", str(port), "--default_kv_lease_ttl", "1000", "--client_ttl", "300"]
     # each in vLLM's own three processes: C re-saves what it recomputes, and only an engine

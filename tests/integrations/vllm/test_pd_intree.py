@@ -17,7 +17,7 @@ from typing import Iterator
 import pytest
 from engines import (MAX_TOKENS, PROMPT_LEN, SAMPLING, Engine, EngineSpec, engines_running,
                      same_answer)
-from helpers import free_port
+from helpers import unclaimable_port
 from run_llm import prompt_tokens
 
 HERE = Path(__file__).resolve().parent
@@ -37,7 +37,7 @@ def _spec(name: str, core: str, role: str, bootstrap: int) -> EngineSpec:
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama, tmp_path_factory) -> Iterator[tuple[Engine, Engine, int]]:
-    bootstrap = free_port()
+    bootstrap = unclaimable_port()
     specs = [_spec("decode", "1", "kv_consumer", bootstrap),
              _spec("prefill", "0", "kv_producer", bootstrap)]
     with engines_running(tiny_llama, tmp_path_factory.mktemp("pd-intree"),

@@ -21,7 +21,7 @@ from typing import Iterator
 import pytest
 from engines import (MAX_TOKENS, PROMPT_LEN, START_S, engine_env, http, http_up, remove_shm,
                      shm_inodes_of_group)
-from helpers import free_port, terminate_group, wait_until
+from helpers import terminate_group, unclaimable_ports, wait_until
 from run_llm import prompt_tokens
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -53,7 +53,7 @@ def served(tiny_llama, tmp_path) -> Iterator[tuple[str, Path, list[str]]]:
     engines and the proxy up."""
     procs: list[subprocess.Popen] = []
     rpcs = [tempfile.mkdtemp(prefix="vllm-rpc-") for _ in range(2)]
-    ports = [free_port() for _ in range(3)]
+    ports = unclaimable_ports(3)
     shm: set[int] = set()
     try:
         for (name, role, core), port, rpc in zip(
