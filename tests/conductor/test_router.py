@@ -618,22 +618,6 @@ def test_the_decode_pace_counts_tokens_not_events():
             assert len(events) == 1 + 8 + usage + 2, events
 
 
-@pytest.mark.parametrize("body, sent", [
-    ({"stream": True}, {"include_usage": True}),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
-     {"include_usage": True, "continuous_usage_stats": False}),   # as the client had it
-    ({"stream": True, "stream_options": {"include_usage": True}}, None),   # its own
-    ({"stream": False}, None),
-    ({"stream": True, "stream_options": "x"}, None),   # the engine answers it
-])
-def test_the_usage_is_asked_for_a_stream_whose_client_did_not(body, sent):
-    from mooncake_plugins.conductor.router.server import _asking_usage
-
-    out, hidden = _asking_usage(body)
-    assert (hidden is not None) == (sent is not None)
-    assert out == (body if sent is None else {**body, "stream_options": sent})
-
-
 @pytest.mark.parametrize("seed", range(20))
 def test_a_usage_asked_for_the_client_is_held_back_however_the_stream_is_cut(seed):
     """The relay of a stream whose usage the router asked for: cut anywhere, what passes

@@ -586,16 +586,13 @@ _NO_CHOICES = re.compile(rb'"choices":\s*\[\]')
 def _asking_usage(body: dict) -> tuple[dict, _HiddenUsage | None]:
     """``body`` as sent to the engine: a stream whose client did not ask for its usage
     asks for it (the decode pace then counts tokens, not events), and the answer's
-    relay then keeps that usage event from the client (vLLM's per-chunk usage, which
-    needs both, stays off as the client had it)."""
+    relay then keeps that usage event from the client."""
     options = body.get("stream_options")
     if body.get("stream") is not True or not isinstance(options, (dict, type(None))) \
             or (options or {}).get("include_usage"):
         return body, None
-    asked = {**(options or {}), "include_usage": True}
-    if "continuous_usage_stats" in asked:
-        asked["continuous_usage_stats"] = False
-    return {**body, "stream_options": asked}, _HiddenUsage()
+    return {**body, "stream_options": {**(options or {}), "include_usage": True}}, \
+        _HiddenUsage()
 
 
 class _HiddenUsage:
