@@ -350,7 +350,6 @@ class Router:
         ``chosen`` (the instances and the TTFT the request was admitted with, where the
         router names them)."""
         self.metrics.routed.labels(inst.url, side).inc()
-        body, hidden = _asking_usage(body)
         t0 = time.perf_counter()
         try:
             resp = await self._http().post(inst.url + request.path, json=body)
@@ -379,15 +378,10 @@ class Router:
                 else:
                     events += chunk.count(b"data: {")
                     t_last = time.perf_counter()
-                if hidden is not None:
-                    chunk, held = hidden.relay(chunk)
-                    usage = held or usage
-                elif b'"completion_tokens"' in chunk:
-                    usage = chunk
+                    if b'"completion_tokens"' in chunk:
+                        usage = chunk
                 await out.write(chunk)
                 chunk = await resp.content.readany()
-            if hidden is not None:
-                await out.write(hidden.pending)
             if events > 0:   # a stream of tokens: its pace teaches the decode ratio
                 self.decoded(inst, _tokens_after_first(usage, events), t_last - t_first)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError,
@@ -580,51 +574,12 @@ class Router:
 
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
-_NO_CHOICES = re.compile(rb'"choices":\s*\[\]')
-
-
-def _asking_usage(body: dict) -> tuple[dict, _HiddenUsage | None]:
-    """``body`` as sent to the engine: a stream whose client did not ask for its usage
-    asks for it (the decode pace then counts tokens, not events), and the answer's
-    relay then keeps that usage event from the client."""
-    options = body.get("stream_options")
-    if body.get("stream") is not True or not isinstance(options, (dict, type(None))) \
-            or (options or {}).get("include_usage"):
-        return body, None
-    return {**body, "stream_options": {**(options or {}), "include_usage": True}}, \
-        _HiddenUsage()
-
-
-class _HiddenUsage:
-    """The relay of a stream whose usage the router asked for: whole server-sent events
-    pass on, the usage event (no choices, the answer's token counts) is held back."""
-
-    def __init__(self) -> None:
-        self.pending = b""   # the start of an event not complete yet
-
-    def relay(self, chunk: bytes) -> tuple[bytes, bytes]:
-        """The bytes to relay now, and the usage event where it came."""
-        self.pending += chunk
-        cut = self.pending.rfind(b"\n\n") + 2
-        if cut < 2:
-            return b"", b""
-        done, self.pending = self.pending[:cut], self.pending[cut:]
-        if b'"completion_tokens"' not in done:
-            return done, b""
-        kept, usage = [], b""
-        for event in done[:-2].split(b"\n\n"):
-            if b'"completion_tokens"' in event and _NO_CHOICES.search(event):
-                usage = event
-            else:
-                kept.append(event + b"\n\n")
-        return b"".join(kept), usage
 
 
 def _tokens_after_first(usage: bytes, events: int) -> int:
     """Tokens streamed after the first chunk: the answer's own count less one where its
-    usage came (``stream_options.include_usage``, which the router asks for), else the
-    ``events`` that followed (one a token, but vLLM puts a few tokens in one event when
-    its API server lags)."""
+    usage came (``stream_options.include_usage``), else the ``events`` that followed (one
+    a token, but vLLM puts a few tokens in one event when its API server lags)."""
     counts = _COMPLETION_TOKENS.findall(usage)
     return int(counts[-1]) - 1 if counts else events
 
