@@ -8,8 +8,8 @@ answers each with one JSON line:
 
 * ``{"prompt": [token ids], "sampling": {SamplingParams kwargs}, "kv_transfer_params":
   {...} | null}``: the greedy tokens, their logprobs, ``num_cached_tokens``, the
-  ``finish_reason``, the ``kv_transfer_params`` the engine returned (see ``examples/vllm_pd_proxy.py``) and the
-  ``seconds`` the engine's ``generate`` took;
+  ``finish_reason``, the ``kv_transfer_params`` the engine returned (see
+  ``examples/vllm_pd_proxy.py``) and the ``seconds`` the engine's ``generate`` took;
 * ``{"reset_prefix_cache": true}``: empties vLLM's own prefix cache, so the next request
   for a prompt seen before asks the connector again; answers ``{"reset": bool}``.
 
