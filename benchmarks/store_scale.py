@@ -18,7 +18,8 @@ Holders are ``mooncake_client`` processes (mooncake_plugins.cli.client), clients
 benchmarks/store_scale_worker.py processes, masters ``mooncake-master``. Every process this
 script starts is stopped when a section ends, on an error and on Ctrl-C or SIGTERM.
 --quick runs every section small. Prints the tables and writes JSON to
-benchmarks/results/store_scale.json.
+benchmarks/results/store_scale.json (--quick: store_scale.quick.json, so a smoke run never
+replaces the committed results; --out names another file).
 """
 
 from __future__ import annotations
@@ -647,8 +648,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--failover-objects", type=int, default=100_000, help="with --metadata_dir")
     g.add_argument("--ha-objects", type=int, default=100_000, help="with HA + etcd")
     g.add_argument("--verify-sample", type=int, default=2000, help="objects read back after")
-    ap.add_argument("--out", default=str(HERE / "results" / "store_scale.json"))
+    ap.add_argument("--out", default=None, help="JSON results (default: results/"
+                    "store_scale.json, with --quick results/store_scale.quick.json)")
     a = ap.parse_args(argv)
+    if a.out is None:
+        a.out = str(HERE / "results" / ("store_scale.quick.json" if a.quick else "store_scale.json"))
     if a.quick:
         defaults = {k: ap.get_default(k) for k in QUICK}
         for k, v in QUICK.items():

@@ -181,7 +181,9 @@ def nixl_plugin_dir(export: bool) -> int:
     try:
         path = plugin_dir()
     except (NixlNotFound, FileNotFoundError) as exc:
-        print(f"mooncake-plugins: {exc}", file=sys.stderr)
+        # with --export, stdout goes to an eval that then does nothing: say so
+        unset = "NIXL_PLUGIN_DIR is left unset, as " if export else ""
+        print(f"mooncake-plugins: {unset}{exc}", file=sys.stderr)
         return 1
     print(f"export NIXL_PLUGIN_DIR={shlex.quote(str(path))}" if export else path)
     return 0

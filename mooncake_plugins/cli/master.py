@@ -3,10 +3,12 @@
 Takes every flag of the original (gflags spellings: ``-flag=v``, ``--flag=v``, ``--flag v``,
 booleans as ``--flag``, ``--flag=true`` or ``--noflag``; ``--flagfile``, ``--fromenv``,
 ``--tryfromenv``, ``--undefok`` and ``--config_path`` (JSON) as gflags/the original). A
-flag that has no effect here says so on stderr, with the reason. Prints ``READY <rpc
-port>`` once serving (after winning the election with --enable_ha), then serves until
-SIGTERM/SIGINT. The metrics/admin HTTP (``/metrics``, ``/health``, drain jobs) always
-listens on --metrics_host:--metrics_port (default: --rpc_address, 9003; 0 picks a free port).
+flag that has no effect here says so on stderr, with the reason (``--helpfull`` lists
+them). Prints ``READY <rpc port>`` once serving (after winning the election with
+--enable_ha), then serves until SIGTERM/SIGINT. The metrics/admin HTTP (``/metrics``,
+``/health``, drain jobs) always listens on --metrics_host:--metrics_port (default:
+--rpc_address, 9003; 0 picks a free port): a second master on one host needs a
+--metrics_port of its own, as well as an --rpc_port.
 
 ``--root_fs_dir`` alone turns on the SSD tier as the original's persistence does: every
 client keeps the objects it puts in files under that directory (or its own
@@ -127,8 +129,30 @@ def _duration_ms(text: str) -> int:
 _TYPES: dict[str, Callable[[str], Any]] = {"bool": _bool, "int": int, "float": float, "str": str}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _within(convert: Callable[[str], Any], ok: Callable[[Any], bool],
+            want: str) -> Callable[[str], Any]:
+    """``convert``, refusing a value for which ``ok`` is false: "expected <want>"."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return value
+    return parse
+
+
+_RATIO = _within(float, lambda v: 0 < v <= 1, "a ratio in (0, 1]")
+
+
+def build_parser(full: bool = False) -> argparse.ArgumentParser:
+    """The flags; the original's flags without effect here are listed only when ``full``
+    (``--helpfull``)."""
     ap = ArgumentParser(prog="mooncake-master", description=__doc__, add_help=False,
+                        usage="%(prog)s [--flag=value ...]",
+                        epilog=None if full else f"--helpfull also lists the {len(_INERT)} "
+                        f"flags of the original that are accepted here but have no effect.",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     flag = lambda name, **kw: ap.add_argument(f"--{name}", **kw)  # noqa: E731
     b = dict(type=_bool, nargs="?", const=True)
@@ -136,19 +160,25 @@ def build_parser() -> argparse.ArgumentParser:
     flag("port", type=port, default=None, help="deprecated alias of --rpc_port")
     flag("rpc_address", default="127.0.0.1", help="address to bind and advertise")
     flag("allocation_strategy", default="random", choices=["random", "free_ratio_first", "local_first"])
-    flag("eviction_high_watermark_ratio", type=float, default=0.95)
-    flag("eviction_ratio", type=float, default=0.05)
-    flag("default_kv_lease_ttl", type=_duration_ms, default=5000, help="read lease (ms, or 5s...)")
+    flag("eviction_high_watermark_ratio", type=_RATIO, default=0.95,
+         help="eviction starts above this fill, in (0, 1]")
+    flag("eviction_ratio", type=_RATIO, default=0.05,
+         help="share of a segment an eviction frees, in (0, 1]")
+    flag("default_kv_lease_ttl", type=_within(_duration_ms, lambda v: v > 0, "a duration > 0"),
+         default=5000, help="read lease (ms, or 5s...)")
     flag("default_kv_soft_pin_ttl", type=_duration_ms, default=30 * 60 * 1000, help="soft pin")
     flag("max_kv_soft_pin_ttl", type=_duration_ms, default=24 * 60 * 60 * 1000,
          help="the longest soft pin a put may ask for")
     flag("allow_evict_soft_pinned_objects", **b, default=True)
-    flag("client_ttl", type=float, default=10.0, help="seconds without heartbeat before a client is dropped")
-    flag("restored_client_grace", type=float, default=0.0,
+    flag("client_ttl", type=_within(float, lambda v: v > 0, "seconds > 0"), default=10.0,
+         help="seconds without heartbeat before a client is dropped")
+    flag("restored_client_grace", type=_within(float, lambda v: v >= 0, "seconds >= 0"),
+         default=0.0,
          help="ours: seconds the owner of a segment restored from the journal has to come back "
          "before it is dropped (0: three --client_ttl)")
     flag("put_start_discard_timeout_sec", type=float, default=30.0)
-    flag("stripe_size", type=int, default=16 << 20, help="objects above this are striped over segments")
+    flag("stripe_size", type=_within(int, lambda v: v >= 4096, "bytes >= 4096"), default=16 << 20,
+         help="objects above this are striped over segments")
     flag("enable_offload", **b, default=False,
          help="keep SSD-tier replicas clients write with enable_ssd_offload (needs --root_fs_dir)")
     flag("root_fs_dir", default="", help="directory of the SSD tier's files (the clients' "
@@ -172,12 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
     flag("http_metadata_server_port", type=port, default=8080)
     flag("metrics_host", default=None, help="metrics/admin HTTP address (default: --rpc_address)")
     flag("metrics_port", type=port, default=9003, help="metrics/admin HTTP port (0: a free one)")
-    flag("enable_metric_reporting", **b, default=True, help="log a stats line every 10 s")
+    flag("enable_metric_reporting", **b, default=True,
+         help="log a stats line every 10 s, when the counters changed")
     flag("pending_task_timeout_sec", type=float, default=300.0, help="0: no timeout")
     flag("processing_task_timeout_sec", type=float, default=300.0, help="0: no timeout")
     flag("max_total_pending_tasks", type=int, default=10000)
     flag("max_total_finished_tasks", type=int, default=10000)
-    flag("replica_repair_concurrency", type=int, default=64,
+    flag("replica_repair_concurrency", type=_within(int, lambda v: v >= 0, "a count >= 0"),
+         default=64,
          help="ours: copy tasks re-creating replicas lost with a dead client at a time (0: off)")
     flag("config_path", default="", help="JSON object of flag names and values (the command line wins)")
     flag("flagfile", default="", help="file of --flag=value lines")
@@ -192,9 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     flag("version", **b, default=False, help="print the version and exit")
     for name in _HELP_FLAGS:
         flag(name, nargs="?", const=True, default=None, help=argparse.SUPPRESS)
+    inert = ap.add_argument_group("flags of the original without effect here (accepted, "
+                                  "and reported at start)") if full else ap
     for name, (kind, reason) in sorted(_INERT.items()):
         kw = dict(nargs="?", const=True) if kind == "bool" else {}
-        flag(name, type=_TYPES[kind], default=None, help=f"no effect here: {reason}", **kw)
+        inert.add_argument(f"--{name}", type=_TYPES[kind], default=None,
+                           help=f"no effect here: {reason}" if full else argparse.SUPPRESS, **kw)
     return ap
 
 
@@ -261,17 +296,21 @@ def _expand(argv: list[str], known: set[str], bools: set[str]) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Flags as gflags takes them; exits after printing help (any of gflags' help flags)."""
+    """Flags as gflags takes them; exits after printing help (any of gflags' help flags:
+    ``--helpfull`` adds the original's flags without effect here)."""
     ap = build_parser()
     known = {a.dest for a in ap._actions}
     bools = {a.dest for a in ap._actions if a.type is _bool or a.const is True}
     ns = ap.parse_args(_expand(argv, known, bools))
     if any(getattr(ns, h) for h in _HELP_FLAGS):
-        ap.print_help()
+        (build_parser(full=True) if ns.helpfull else ap).print_help()
         raise SystemExit(0)
     if ns.config_path:
         _apply_config_file(ap, ns.config_path, known)
         ns = ap.parse_args(_expand(argv, known, bools))
+    if ns.default_kv_soft_pin_ttl > ns.max_kv_soft_pin_ttl:
+        ap.error(f"argument --default_kv_soft_pin_ttl: {ns.default_kv_soft_pin_ttl} ms is longer "
+                 f"than --max_kv_soft_pin_ttl ({ns.max_kv_soft_pin_ttl} ms)")
     return ns
 
 
@@ -389,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config.validate()
     except InvalidParams as exc:
-        print(f"bad configuration: {exc}", file=sys.stderr)
+        print(f"mooncake-master: bad configuration: {exc}", file=sys.stderr)
         return 2
     options = ServerOptions(
         host=args.rpc_address, rpc_port=rpc_port, metrics_port=args.metrics_port,

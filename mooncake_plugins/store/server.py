@@ -58,7 +58,7 @@ class ServerOptions:
     rpc_port: int = 50051
     metrics_port: int | None = None       # metrics + admin HTTP (admin.py); None: none, 0: a free port
     metrics_host: str | None = None       # None: same as host
-    metric_report_interval_s: float = 0.0  # log a stats line this often; 0: never
+    metric_report_interval_s: float = 0.0  # log a stats line this often, if changed; 0: never
     http_metadata_port: int | None = None  # None: no embedded metadata server
     http_metadata_host: str | None = None  # None: same as host
     enable_ha: bool = False
@@ -212,6 +212,7 @@ class MasterServer:
     def _reap_loop(self) -> None:
         every = self.options.metric_report_interval_s
         next_report = time.monotonic() + every
+        reported: dict | None = None   # an idle master logs its stats once, not every interval
         while not self._stop.wait(self.options.reap_interval_s):
             try:
                 # a client whose connection is open is alive even if its heartbeats lag
@@ -223,7 +224,10 @@ class MasterServer:
                 log.exception("reaper pass failed")
             if every and time.monotonic() >= next_report:
                 next_report += every
-                log.info("master stats: %s", " ".join(f"{k}={v}" for k, v in self.service.stats().items()))
+                stats = self.service.stats()
+                if stats != reported:
+                    reported = stats
+                    log.info("master stats: %s", " ".join(f"{k}={v}" for k, v in stats.items()))
 
     def _handlers(self) -> dict:
         s = self.service

@@ -40,6 +40,19 @@ def _check_latency(r: dict) -> None:
     assert r["p50_ms"] <= r["p99_ms"] <= r["max_ms"], r
 
 
+def test_quick_runs_leave_the_committed_results_alone() -> None:
+    """--quick writes store_scale.quick.json unless --out says otherwise (in a child: the
+    script puts benchmarks/ on sys.path when imported)."""
+    code = (f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import store_scale\n"
+            "for argv in ([], ['--quick'], ['--quick', '--out', 'x.json']):\n"
+            "    print(store_scale.parse_args(argv).out)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    results = SCRIPT.parent / "results"
+    assert res.stdout.splitlines() == [str(results / "store_scale.json"),
+                                       str(results / "store_scale.quick.json"), "x.json"]
+
+
 @pytest.mark.slow
 def test_quick_run_reports_every_section(tmp_path: Path) -> None:
     out = tmp_path / "store_scale.json"

@@ -58,6 +58,22 @@ def test_a_bad_flag_value_is_two_lines_not_the_usage(capsys):
     assert error.startswith("mooncake-master: error: argument --eviction_ratio")
 
 
+@pytest.mark.parametrize("argv, flag, want", [
+    (["--eviction_high_watermark_ratio=2"], "--eviction_high_watermark_ratio", "a ratio in (0, 1]"),
+    (["--eviction_ratio=0"], "--eviction_ratio", "a ratio in (0, 1]"),
+    (["--client_ttl=0"], "--client_ttl", "seconds > 0"),
+    (["--default_kv_lease_ttl=0"], "--default_kv_lease_ttl", "a duration > 0"),
+    (["--restored_client_grace=-1"], "--restored_client_grace", "seconds >= 0"),
+    (["--replica_repair_concurrency=-1"], "--replica_repair_concurrency", "a count >= 0"),
+    (["--stripe_size=100"], "--stripe_size", "bytes >= 4096"),
+    (["--default_kv_soft_pin_ttl=2h", "--max_kv_soft_pin_ttl=1h"], "--default_kv_soft_pin_ttl",
+     "--max_kv_soft_pin_ttl"),
+])
+def test_a_master_value_out_of_range_names_the_program_and_the_flag(capsys, argv, flag, want):
+    error = _short_error(capsys, master.parse_args, argv)[0]
+    assert error.startswith(f"mooncake-master: error: argument {flag}: ") and want in error
+
+
 def test_master_config_file_and_flagfile_errors(tmp_path):
     config = tmp_path / "master.json"
     config.write_text(json.dumps({"rpc_port": 70000}))

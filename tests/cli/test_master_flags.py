@@ -1,5 +1,6 @@
 """``mooncake_master`` takes every flag of the original, in gflags' spellings."""
 
+import argparse
 import json
 import os
 import shutil
@@ -54,7 +55,8 @@ _SPECIAL = {"help", "helpfull", "helpmatch", "helpon", "helppackage", "helpshort
             "version", "flagfile", "fromenv", "tryfromenv", "config_path", "root_fs_dir"}
 _VALUES = {"allocation_strategy": "local_first", "ha_backend_type": "etcd",
            "default_kv_lease_ttl": "5s", "default_kv_soft_pin_ttl": "2m",
-           "max_kv_soft_pin_ttl": "1h"}
+           "max_kv_soft_pin_ttl": "1h", "eviction_high_watermark_ratio": "0.9",
+           "eviction_ratio": "0.1", "client_ttl": "3"}
 
 
 def _arg(parser_types: dict, name: str) -> str:
@@ -175,8 +177,35 @@ def test_root_fs_dir_alone_keeps_every_put_on_disk(tmp_path):
 
 
 def test_restored_client_grace_reaches_the_master_config(capsys) -> None:
-    from mooncake_plugins.cli.master import main
-
     assert parse_args(["--restored_client_grace=45"]).restored_client_grace == 45.0
-    assert main(["--restored_client_grace=-1", "--rpc_port=0"]) == 2
-    assert "restored_client_grace_s must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--restored_client_grace=-1", "--rpc_port=0"])
+    assert refused.value.code == 2
+    assert "argument --restored_client_grace: expected seconds >= 0" in capsys.readouterr().err
+
+
+def _help(capsys, flag: str) -> str:
+    with pytest.raises(SystemExit) as done:
+        parse_args([flag])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_is_short_and_lists_the_flags_that_work(capsys) -> None:
+    from mooncake_plugins.cli.master import build_parser
+
+    out = _help(capsys, "--help")
+    assert len(out.splitlines()) < 150
+    working = [a.option_strings[0] for a in build_parser()._actions
+               if a.dest not in _INERT and a.help != argparse.SUPPRESS]
+    assert "--eviction_ratio" in working and "--metrics_port" in working
+    assert all(flag in out for flag in working)
+    assert "--enable_cxl" not in out and "no effect here:" not in out
+    assert f"--helpfull also lists the {len(_INERT)} flags of the original" in out
+
+
+def test_helpfull_lists_the_flags_without_effect(capsys) -> None:
+    out = _help(capsys, "--helpfull")
+    assert all(f"--{name}" in out for name in _INERT)
+    assert "flags of the original without effect here" in out and "--rpc_port" in out
+    assert "no effect here: CXL" in out.split("--enable_cxl", 1)[1].split("--", 1)[0]

@@ -46,6 +46,12 @@ def test_nixl_plugin_dir_without_nixl_is_one_sentence(capsys: pytest.CaptureFixt
     assert doctor.main(["nixl-plugin-dir"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("mooncake-plugins: NIXL is not installed here") and "\n" not in err
+    # --export feeds an eval, which then sets nothing: the sentence says so
+    assert doctor.main(["nixl-plugin-dir", "--export"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "\n" not in captured.err.strip()
+    assert captured.err.startswith("mooncake-plugins: NIXL_PLUGIN_DIR is left unset, as NIXL is "
+                                   "not installed here")
 
 
 def test_warns_when_the_original_wheel_is_installed_too(monkeypatch: pytest.MonkeyPatch,

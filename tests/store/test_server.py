@@ -5,6 +5,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import msgpack
@@ -92,6 +93,30 @@ def test_cli_flags_metrics_and_embedded_metadata():
             assert "mooncake_master_puts_total 1.0" in text
     finally:
         assert terminate_group(proc) == 0
+
+
+def test_an_idle_master_logs_its_stats_once(caplog):
+    """The stats line comes again only when a counter changed since the last one."""
+    from mooncake_plugins.store.master import MasterConfig
+    from mooncake_plugins.store.server import MasterServer, ServerOptions
+
+    def lines() -> int:
+        return sum(r.getMessage().startswith("master stats:") for r in caplog.records)
+
+    caplog.set_level("INFO", logger="mooncake_plugins.store.server")
+    server = MasterServer(MasterConfig(), ServerOptions(rpc_port=0, metric_report_interval_s=0.02,
+                                                        reap_interval_s=0.01))
+    server.start()
+    try:
+        assert wait_until(lambda: lines() == 1, timeout_s=10)
+        time.sleep(0.3)                     # 15 intervals, idle
+        assert lines() == 1
+        server.service.register_client("c", "host")
+        assert wait_until(lambda: lines() == 2, timeout_s=10)
+        time.sleep(0.3)
+        assert lines() == 2
+    finally:
+        server.close()
 
 
 def test_json_logs():
