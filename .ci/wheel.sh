@@ -3,7 +3,7 @@
 # manylinux tag (auditwheel: it must need no library beyond the manylinux policy, so no
 # CUDA or libibverbs at link time), install it into a fresh venv outside the repository,
 # and run from there the README's quick start (with its master) and `mooncake-plugins doctor` (a
-# non-editable install must find its extensions and the NIXL plugin).
+# non-editable install must find its extensions, the NIXL plugin and the bundled traces).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -49,6 +49,9 @@ for i, code in enumerate(blocks):
 from mooncake_plugins.nixl.plugin_dir import PLUGIN_FILE
 import mooncake_plugins._native.tcp, mooncake_plugins._native.cuda  # the extensions
 assert PLUGIN_FILE.exists(), f"the wheel has no NIXL plugin at {PLUGIN_FILE}"
+from mooncake_plugins.conductor.traces import BUNDLED_TRACES, bundled_trace, load_trace
+for name in BUNDLED_TRACES:  # package data: the open traces, replayed by name
+    assert len(load_trace(bundled_trace(name))) > 1000, f"the wheel lacks the trace {name}"
 print("quick start ok; NIXL plugin at", PLUGIN_FILE)
 PY
 kill "$master"

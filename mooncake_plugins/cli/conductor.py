@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +25,8 @@ from mooncake_plugins.cli._args import ArgumentParser
 from mooncake_plugins.conductor.policies import POLICY_NAMES, Policy, Slo, make_policy
 from mooncake_plugins.conductor.sim import (CapacityResult, ClusterConfig, SimResult,
                                             find_capacity, simulate)
-from mooncake_plugins.conductor.traces import TraceRequest, load_trace
+from mooncake_plugins.conductor.traces import (BUNDLED_TRACES, TraceRequest,
+                                              bundled_trace, load_trace)
 from mooncake_plugins.errors import InvalidArgument
 
 _CACHE_FACTORS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8)
@@ -36,7 +38,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="mooncake-sim",
         description="Replay a Mooncake JSONL trace on a simulated prefill/decode cluster.")
     parser.add_argument("trace", help="trace file (JSON Lines: timestamp, input_length, "
-                                      "output_length, hash_ids)")
+                                      "output_length, hash_ids; plain or gzipped), or the "
+                                      "name of a trace shipped with the package: "
+                                      f"{', '.join(BUNDLED_TRACES)}")
     parser.add_argument("--policy", choices=POLICY_NAMES, default="conductor",
                         help="scheduling policy (default: %(default)s)")
     parser.add_argument("--compare", action="store_true",
@@ -205,6 +209,13 @@ def _run(args: argparse.Namespace, requests: list[TraceRequest]) -> dict[str, An
             "capacity": capacities, "cache_sweep": cache_sweep, "rate_sweep": rate_sweep}
 
 
+def _trace_path(arg: str) -> str | os.PathLike[str]:
+    """The trace file ``arg`` names: an existing file, else a bundled trace of that name."""
+    if arg in BUNDLED_TRACES and not os.path.exists(arg):
+        return bundled_trace(arg)
+    return arg
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``mooncake-sim``; return the exit status (1 on a bad trace or argument)."""
     args = _parse_args(argv)
@@ -215,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     try:
-        requests = load_trace(args.trace)
+        requests = load_trace(_trace_path(args.trace))
         report = _run(args, requests)
     except (InvalidArgument, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

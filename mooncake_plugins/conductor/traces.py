@@ -13,17 +13,26 @@ Each line is one object with exactly the fields the open Mooncake traces carry:
     ``ceil(input_length / 512)`` ids (the last block may be partial).
 
 Every field is checked; a bad line raises :class:`~mooncake_plugins.errors.InvalidArgument`
-naming the file and the 1-based line number. Blank lines are skipped.
+naming the file and the 1-based line number. Blank lines are skipped. A gzip-compressed file
+(recognised by its magic bytes, whatever its name) is decompressed as it is read.
+
+The two open Mooncake traces ship with the package, gzipped (``data/``, Apache License 2.0:
+see ``data/README.md``); :func:`bundled_trace` gives their paths.
 """
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import logging
 import math
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
 
 from ..errors import InvalidArgument
 
@@ -33,6 +42,30 @@ BLOCK_TOKENS = 512
 """Tokens per KV block, as in the open Mooncake traces."""
 
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+BUNDLED_TRACES = ("conversation_trace", "synthetic_trace")
+"""Names of the open Mooncake traces shipped with the package (see :func:`bundled_trace`)."""
+
+_DATA_DIR = Path(__file__).resolve().parent / "data"
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def bundled_trace(name: str) -> Path:
+    """Path of an open Mooncake trace shipped with the package (a gzipped JSONL file).
+
+    Args:
+        name: one of :data:`BUNDLED_TRACES`.
+
+    Returns:
+        The path of ``data/NAME.jsonl.gz`` inside the installed package.
+
+    Raises:
+        InvalidArgument: ``name`` is not a bundled trace.
+    """
+    if name not in BUNDLED_TRACES:
+        raise InvalidArgument(f"no bundled trace {name!r}; the bundled traces are "
+                              f"{', '.join(BUNDLED_TRACES)}")
+    return _DATA_DIR / f"{name}.jsonl.gz"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +141,7 @@ def iter_trace(path: str | os.PathLike[str],
     """Yield the requests of a JSONL trace file, validating each line as it is read.
 
     Args:
-        path: the trace file.
+        path: the trace file, plain or gzip-compressed.
         block_tokens: tokens per block (512 in the Mooncake traces).
 
     Returns:
@@ -116,28 +149,40 @@ def iter_trace(path: str | os.PathLike[str],
 
     Raises:
         InvalidArgument: a line is not valid JSON, fails :func:`parse_request`, or arrives
-            before the line above it.
+            before the line above it; or a gzipped file is truncated or corrupt.
         OSError: the file cannot be opened or read.
     """
     name = os.fspath(path)
-    previous_ms = 0.0
-    with open(name, encoding="utf-8") as stream:
-        for line_no, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            where = f"{name}:{line_no}"
+    with open(name, "rb") as raw:
+        compressed = raw.read(2) == _GZIP_MAGIC
+        raw.seek(0)
+        stream: IO[str] = (gzip.open(raw, "rt", encoding="utf-8") if compressed
+                           else io.TextIOWrapper(raw, encoding="utf-8"))
+        with stream:
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidArgument(f"{where}: not valid JSON ({exc.msg} at column "
-                                      f"{exc.colno})") from None
-            request = parse_request(obj, where, block_tokens)
-            if request.timestamp_ms < previous_ms:
-                raise InvalidArgument(f"{where}: timestamp {request.timestamp_ms} is earlier "
-                                      f"than the previous line's {previous_ms}; sort the trace "
-                                      f"by timestamp")
-            previous_ms = request.timestamp_ms
-            yield request
+                yield from _parse_lines(stream, name, block_tokens)
+            except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+                raise InvalidArgument(f"{name}: corrupt gzip data ({exc})") from None
+
+
+def _parse_lines(stream: IO[str], name: str, block_tokens: int) -> Iterator[TraceRequest]:
+    previous_ms = 0.0
+    for line_no, line in enumerate(stream, start=1):
+        if not line.strip():
+            continue
+        where = f"{name}:{line_no}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"{where}: not valid JSON ({exc.msg} at column "
+                                  f"{exc.colno})") from None
+        request = parse_request(obj, where, block_tokens)
+        if request.timestamp_ms < previous_ms:
+            raise InvalidArgument(f"{where}: timestamp {request.timestamp_ms} is earlier "
+                                  f"than the previous line's {previous_ms}; sort the trace "
+                                  f"by timestamp")
+        previous_ms = request.timestamp_ms
+        yield request
 
 
 def load_trace(path: str | os.PathLike[str],
@@ -145,7 +190,7 @@ def load_trace(path: str | os.PathLike[str],
     """Read a whole trace file into a list (see :func:`iter_trace` for the checks).
 
     Args:
-        path: the trace file.
+        path: the trace file, plain or gzip-compressed.
         block_tokens: tokens per block.
 
     Returns:

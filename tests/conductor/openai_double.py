@@ -15,8 +15,9 @@ prompt's tokens the store holds, which it "loads" in ``store_load_s`` plus
 ``running`` and ``waiting`` requests and the mean prompt ``mean_prompt`` of finished ones
 as vLLM's gauges and histogram (set them to model load that bypasses the router) and,
 where ``block_size`` is set, vLLM's ``vllm:cache_config_info``, or ``metrics_page``
-instead where set, after ``metrics_delay_s``. Real vLLM engines behind the router are
-tested in tests/integrations/vllm/test_conductor_router.py."""
+instead where set, after ``metrics_delay_s``; ``metrics_reads`` counts the requests for
+``/metrics`` it received (a test waits on it for the router's next readings). Real vLLM
+engines behind the router are tested in tests/integrations/vllm/test_conductor_router.py."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class OpenAIDouble:
         self.block_size: int | None = None
         self.metrics_page: str | None = None
         self.metrics_delay_s = 0.0
+        self.metrics_reads = 0
         self.seen: list[dict[str, Any]] = []
         self.handle = {**HANDLE, "remote_engine_id": name}
 
@@ -111,6 +113,7 @@ class OpenAIDouble:
         return web.json_response({"data": [{"id": "double"}]})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        self.metrics_reads += 1
         await asyncio.sleep(self.metrics_delay_s)   # a busy engine answers late
         if self.metrics_page is not None:
             return web.Response(text=self.metrics_page)

@@ -1,9 +1,8 @@
 """Replays of the open Mooncake traces: sane invariants, and the Conductor beats random.
 
-The samples in ``data/`` (the first 500 requests of each trace) ship with the repository,
-so these tests run from a plain clone. The whole traces are in ``../shared/traces`` beside
-a clone (CI has them); the tests that need a whole trace skip without it, and fail under
-``MOONCAKE_CI=1``.
+The whole traces ship gzipped with the package (``mooncake_plugins/conductor/data``), and
+the samples in ``data/`` here (their first 500 requests) with the tests, so every test runs
+from a plain clone.
 """
 
 from __future__ import annotations
@@ -12,14 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import skip_or_fail
 
 from mooncake_plugins.conductor.policies import POLICY_NAMES, Slo, make_policy
 from mooncake_plugins.conductor.sim import ClusterConfig, SimResult, simulate
-from mooncake_plugins.conductor.traces import TraceRequest, load_trace
+from mooncake_plugins.conductor.traces import TraceRequest, bundled_trace, load_trace
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "data"
-TRACES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 SAMPLE_NAMES = ("conversation_trace_head500.jsonl", "synthetic_trace_head500.jsonl")
 CLUSTER = ClusterConfig()
 SLO = Slo()
@@ -28,13 +25,10 @@ _loaded: dict[str, list[TraceRequest]] = {}
 
 
 def _trace(name: str) -> list[TraceRequest]:
-    """A shipped sample (``*_head500.jsonl``) or a whole trace from ``../shared/traces``."""
-    path = (SAMPLES_DIR if name in SAMPLE_NAMES else TRACES_DIR) / name
-    if not path.is_file():
-        skip_or_fail(f"the whole trace {path} is absent (shared/ sits beside the clone in CI; "
-                     f"the samples in {SAMPLES_DIR} cover the rest)")
+    """A sample of ``data/`` (``*_head500.jsonl``) or a whole bundled trace (its bare name)."""
     if name not in _loaded:
-        _loaded[name] = load_trace(path)
+        _loaded[name] = load_trace(SAMPLES_DIR / name if name in SAMPLE_NAMES
+                                   else bundled_trace(name))
     return _loaded[name]
 
 
@@ -82,15 +76,23 @@ def test_conductor_beats_random_under_load() -> None:
     assert conductor.hit_rate > random.hit_rate
 
 
+@pytest.mark.parametrize(("name", "count"), [("conversation_trace", 12_031),
+                                             ("synthetic_trace", 3_993)])
+def test_samples_are_the_heads_of_the_bundled_traces(name: str, count: int) -> None:
+    whole = _trace(name)
+    assert len(whole) == count
+    assert _trace(f"{name}_head500.jsonl") == whole[:500]
+
+
 def test_conductor_beats_random_under_load_whole_trace() -> None:
     # at twice the trace's rate the cluster is overloaded for every policy
-    random = _replay("conversation_trace.jsonl", "random", rate_scale=2.0)
-    conductor = _replay("conversation_trace.jsonl", "conductor", rate_scale=2.0)
+    random = _replay("conversation_trace", "random", rate_scale=2.0)
+    conductor = _replay("conversation_trace", "conductor", rate_scale=2.0)
     assert conductor.slo_attainment >= random.slo_attainment
     assert conductor.slo_attainment > 0.9 > 0.1 > random.slo_attainment
     assert conductor.hit_rate > random.hit_rate
 
 
 def test_full_conversation_replay_is_fast() -> None:
-    result = _replay("conversation_trace.jsonl", "conductor")
+    result = _replay("conversation_trace", "conductor")
     assert result.wall_s < 20.0

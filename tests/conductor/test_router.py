@@ -5,9 +5,11 @@ the instance administration. Real vLLM behind it: tests/integrations/vllm."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import subprocess
 import sys
+import time
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -51,13 +53,27 @@ def complete(prompt: str, **kw: Any) -> dict[str, Any]:
     return {"model": "m", "prompt": prompt, "max_tokens": 8, **kw}
 
 
-async def until(check: Any) -> None:
-    """Wait until ``check()`` holds, 2 s at most."""
-    for _ in range(200):
-        if check():
+async def until(check: Any, timeout_s: float = 2.0) -> None:
+    """Wait until ``check()`` holds (awaited where it is a coroutine), ``timeout_s`` at
+    most."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = check()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
             return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s")
         await asyncio.sleep(0.01)
-    raise AssertionError("not within 2 s")
+
+
+async def more_readings(double: OpenAIDouble, count: int = 3) -> None:
+    """Wait until the router has read and acted on ``count`` more of ``double``'s
+    /metrics pages: it asks for the next page only once it has dealt with the last, so
+    ``count + 1`` more requests for the page mean ``count`` readings done."""
+    target = double.metrics_reads + count + 1
+    await until(lambda: double.metrics_reads >= target, timeout_s=10.0)
 
 
 @pytest.mark.parametrize("policy", ["cache_aware", "conductor"])
@@ -632,23 +648,41 @@ def test_pd_requests_take_a_decode_slot_only_from_their_first_token():
 
 
 def test_the_slo_quantile_refuses_where_recent_errors_would_make_a_request_late():
-    """--slo-quantile 0.9: recent requests took 1.5x their estimate, so one estimated at
-    0.8 s (within a 1 s SLO) is refused, one at 0.6 s is not; no bound before 16
-    samples, nor for a policy that does not refuse."""
+    """--slo-quantile Q bounds a request's TTFT by its estimate times the Q quantile of the
+    recent errors (measured / estimated). The errors here are 16 different ratios, 1.00 to
+    1.60 in steps of 0.04, in no order; so each quantile, and each neighbouring
+    percentile, gives another bound: the 0.9 quantile is 1.54 (0.89: 1.534, 0.91: 1.546,
+    the median 1.30, the largest 1.60). A request estimated at 0.8 s (within a 1 s SLO) is
+    refused at 0.8 x 1.54 = 1.232 s; one at 0.6 s (0.924 s) is not; one at 0.75 s is
+    refused by the 0.9 quantile (1.155 s) but not by the median (0.975 s). No bound before
+    16 samples, nor for a policy that does not refuse."""
     from mooncake_plugins.conductor.policies import Decision
     from mooncake_plugins.conductor.router.prompts import RoutedRequest
 
+    def estimated(ttft_s: float) -> Decision:
+        return Decision(0, 0, None, 0, ttft_s, 0.01)
+
+    ratios = [1.0 + 0.04 * ((7 * i) % 16) for i in range(16)]  # each of 1.00..1.60 once
+    assert sorted(ratios) == pytest.approx([1.0 + 0.04 * k for k in range(16)])
     cost = CostModel(prefill_fixed_s=0.8, prefill_s_per_token=0.0, prefill_s_per_token_sq=0.0)
     r = router("conductor", [("http://127.0.0.1:1", "both")], slo=Slo(1.0, 1.0), cost=cost,
                slo_quantile=0.9)
     req = RoutedRequest(100, [1, 2, 3], True, 8, None)
     assert not r.decide(req)[0].rejected
-    r._errors.extend([1.5] * 15)
+    r._errors.extend(ratios[:15])
     assert not r.decide(req)[0].rejected          # 15 samples: no bound yet
-    r._errors.append(1.5)
+    r._errors.append(ratios[15])
     decision = r.decide(req)[0]
-    assert decision.rejected and "0.9 quantile 1.200 s" in decision.reject_reason
-    assert r.ttft_bound(Decision(0, 0, None, 0, 0.6, 0.01)) is None
+    assert decision.rejected and "0.9 quantile 1.232 s" in decision.reject_reason
+    assert r.ttft_bound(estimated(0.8)) == pytest.approx(0.8 * 1.54)
+    assert r.ttft_bound(estimated(0.75)) == pytest.approx(0.75 * 1.54)
+    assert r.ttft_bound(estimated(0.6)) is None
+    median = router("conductor", [("http://127.0.0.1:1", "both")], slo=Slo(1.0, 1.0),
+                    cost=cost, slo_quantile=0.5)
+    median._errors.extend(ratios)
+    decision = median.decide(req)[0]
+    assert decision.rejected and "0.5 quantile 1.040 s" in decision.reject_reason
+    assert median.ttft_bound(estimated(0.75)) is None
     rr = router("round_robin", [("http://127.0.0.1:1", "both")], slo=Slo(1.0, 1.0),
                 cost=cost, slo_quantile=0.9)
     rr._errors.extend([1.5] * 16)
@@ -792,7 +826,7 @@ def test_an_engine_too_busy_to_answer_its_metrics_in_time_keeps_its_load():
             await until(lambda: inst.external_waiting)
             a.running = a.waiting = 0
             a.metrics_delay_s = 0.3   # what it shows now never arrives in time
-            await asyncio.sleep(0.5)
+            await more_readings(a)   # each timed out
             assert inst.healthy and (inst.external_running, inst.external_waiting) == (4, 3)
             resp = await client.post("/v1/completions", json=complete("hello"))
             assert (await resp.json())["id"] == "b"
@@ -844,7 +878,7 @@ def test_a_metrics_page_that_does_not_parse_is_logged_once_and_counts_nothing(ca
             urls = [await serve(stack, a), await serve(stack, b)]
             r = router("load_balance", [(u, "both") for u in urls], health_interval_s=0.02)
             client = await stack.enter_async_context(TestClient(TestServer(r.app())))
-            await asyncio.sleep(0.3)   # several checks
+            await more_readings(a)   # several checks
             resp = await client.post("/v1/completions", json=complete("hello"))
             assert (await resp.json())["id"] == "a"
             state = {i["url"]: i for i in await (await client.get("/instances")).json()}
@@ -871,17 +905,17 @@ def test_an_engine_of_another_block_size_is_reported_once(caplog):
             async def size() -> int | None:
                 return (await (await client.get("/instances")).json())[0]["block_size"]
 
-            for _ in range(200):
-                if await size() == 128:
-                    break
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.3)   # several more readings: still one error
+            async def size_is(expected: int) -> bool:
+                return await size() == expected
+
+            await until(lambda: size_is(128), timeout_s=10.0)
+            await more_readings(a)   # several more readings of that size: still one error
             errors = [r for r in caplog.records if "--block-tokens 128" in r.getMessage()]
             assert len(errors) == 1 and errors[0].levelname == "ERROR"
             assert await size() == 128
             a.block_size = 16   # restarted to match: no more errors
-            await asyncio.sleep(0.3)
-            assert await size() == 16
+            await until(lambda: size_is(16), timeout_s=10.0)
+            await more_readings(a)
             assert len([r for r in caplog.records if "--block-tokens" in r.getMessage()]) == 1
 
     run(main())

@@ -72,6 +72,18 @@ def test_cli_reports_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert f"{trace}:1: input_length" in capsys.readouterr().err
 
 
+def test_cli_replays_a_bundled_trace_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)  # no file of that name here: the package's copy is read
+    assert main(["synthetic_trace", "--policy", "random", "--json", "out.json", "--quiet"]) == 0
+    assert json.loads((tmp_path / "out.json").read_text())["results"][0]["requests"] == 3993
+    _write_trace(tmp_path / "synthetic_trace", count=7)  # a file of that name comes first
+    assert main(["synthetic_trace", "--policy", "random", "--json", "out.json", "--quiet"]) == 0
+    assert json.loads((tmp_path / "out.json").read_text())["results"][0]["requests"] == 7
+    assert main(["synthetic", "--quiet"]) == 1
+    assert "No such file" in capsys.readouterr().err
+
+
 def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:

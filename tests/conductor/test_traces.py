@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
 import pytest
 
-from mooncake_plugins.conductor.traces import TraceRequest, iter_trace, load_trace
+from mooncake_plugins.conductor.traces import (BUNDLED_TRACES, TraceRequest, bundled_trace,
+                                               iter_trace, load_trace)
 from mooncake_plugins.errors import InvalidArgument
 
 GOOD = {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}
@@ -82,3 +84,38 @@ def test_empty_trace_is_an_error(tmp_path: Path) -> None:
 def test_missing_file_raises_oserror(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         load_trace(tmp_path / "absent.jsonl")
+
+
+def test_gzipped_trace_loads_whatever_its_name(tmp_path: Path) -> None:
+    plain = _write(tmp_path, [_line(), _line(timestamp=3, hash_ids=[0, 9])])
+    for name in ("trace.jsonl.gz", "trace.jsonl"):  # recognised by its magic bytes
+        packed = tmp_path / "gz" / name
+        packed.parent.mkdir(exist_ok=True)
+        packed.write_bytes(gzip.compress(plain.read_bytes()))
+        assert load_trace(packed) == load_trace(plain)
+
+
+def test_bad_line_of_a_gzipped_trace_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl.gz"
+    path.write_bytes(gzip.compress(f"{_line()}\n{_line(output_length=-1)}\n".encode()))
+    with pytest.raises(InvalidArgument, match=rf"{path}:2: output_length must be"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_damaged_gzip_is_an_invalid_argument(tmp_path: Path, damage: str) -> None:
+    data = gzip.compress(("\n".join([_line()] * 200) + "\n").encode())
+    data = data[:len(data) // 2] if damage == "truncated" else data[:20] + b"\xff" * 40 + data[60:]
+    path = tmp_path / "trace.jsonl.gz"
+    path.write_bytes(data)
+    with pytest.raises(InvalidArgument, match=rf"{path}: corrupt gzip data"):
+        load_trace(path)
+
+
+def test_bundled_traces() -> None:
+    for name in BUNDLED_TRACES:
+        path = bundled_trace(name)
+        assert path.name == f"{name}.jsonl.gz" and path.is_file()
+    assert (bundled_trace(BUNDLED_TRACES[0]).parent / "README.md").is_file()  # licence note
+    with pytest.raises(InvalidArgument, match="no bundled trace 'absent'"):
+        bundled_trace("absent")

@@ -114,6 +114,26 @@ def test_refusals(pair):
     del cbuf, ctheirs
 
 
+def test_post_refuses_an_oversized_notification(pair):
+    """post checks the notification's size as gen_notif does: before any data moves."""
+    a, b = pair
+    src, dst = bytearray(b"\x5a" * (4 * KIB)), bytearray(4 * KIB)
+    ca = (ctypes.c_char * len(src)).from_buffer(src)
+    cb = (ctypes.c_char * len(dst)).from_buffer(dst)
+    sa, sb = ctypes.addressof(ca), ctypes.addressof(cb)
+    ta, tb = a.register(sa, len(src), 0, nb.DRAM_SEG), b.register(sb, len(dst), 0, nb.DRAM_SEG)
+    xfer = a.prepare(nb.NIXL_WRITE, "b", descs((sa, sb, len(src))))
+    assert a.post(xfer, b"x" * (nb.MAX_NOTIF_NBYTES + 1)) == nb.ERR_INVALID_PARAM
+    assert xfer.batch is None and dst == bytes(len(dst))  # nothing was started
+    assert b.notifs() == []
+    # the limit itself is allowed, and the same request still posts
+    assert finish(a, xfer, a.post(xfer, b"y" * nb.MAX_NOTIF_NBYTES)) == nb.SUCCESS
+    assert dst == src and b.notifs() == [(b"a", b"y" * nb.MAX_NOTIF_NBYTES)]
+    assert a.release(xfer) == nb.SUCCESS
+    assert a.deregister(ta) == nb.SUCCESS and b.deregister(tb) == nb.SUCCESS
+    del ca, cb
+
+
 def test_plugin_entry_points():
     """The built plugin exports NIXL's entry points; its table names our backend."""
     if not pd.PLUGIN_FILE.exists():

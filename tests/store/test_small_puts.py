@@ -4,6 +4,7 @@ failed put may still be read from is not lent again."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -132,15 +133,31 @@ def test_a_size_the_master_has_no_slots_for_is_not_asked_about_on_every_put(mast
         monkeypatch.setattr(client_module, "SLOT_RETRY_S", 0.5)
         c.put("a", b"1" * 300)
         methods = _count_calls(c, monkeypatch)
+        asked = time.monotonic()
         c.put("b", b"2" * 300)            # asks once, gets nothing
+        refused = time.monotonic()
         c.put("c", b"3" * 300)
         c.put("d", b"4" * 300)
         assert [m for m in methods if m != "heartbeat"] == \
             ["reserve", "put_start", "put_end"] + ["put_start", "put_end"] * 2
         assert [c.get(k) for k in "bcd"] == [b"2" * 300, b"3" * 300, b"4" * 300]
-        time.sleep(0.5)
-        c.put("e", b"5" * 300)            # asked again after the wait, still nothing
-        assert methods[-3:] == ["reserve", "put_start", "put_end"]
+        # Puts go on without asking until SLOT_RETRY_S after the refusal, then one asks
+        # again (and still gets nothing): put until one asks, no later than that, and
+        # not before SLOT_RETRY_S after "b" asked.
+        for i in itertools.count():
+            start, mark = time.monotonic(), len(methods)
+            c.put(f"e{i}", b"5" * 300)
+            end = time.monotonic()
+            calls = [m for m in methods[mark:] if m != "heartbeat"]
+            if calls[0] == "reserve":
+                break
+            assert calls == ["put_start", "put_end"]
+            assert start < refused + client_module.SLOT_RETRY_S, \
+                "no slot asked for again after the wait"
+            c.remove(f"e{i}")
+            time.sleep(0.02)
+        assert calls == ["reserve", "put_start", "put_end"]
+        assert end >= asked + client_module.SLOT_RETRY_S, "asked again before the wait"
 
 
 def test_only_single_replica_puts_take_slots(master, monkeypatch):
