@@ -3,7 +3,7 @@
 ``MooncakeBundleTransfer`` stores bundles (metadata plus named byte buffers), structured
 objects (typed members: arrays, tensors, bytes) and DataProtos (one structured object per
 stage, non-tensor columns in typed codecs) through any store with the original's method
-names. The implementation is :mod:`mooncake_plugins.store.structured`; this module gives
+names. The implementation is :mod:`mooncake_plugins.compat.structured`; this module gives
 it the original's names, private ones included.
 
 Two of those names are hooks the original's tests replace: ``_concat_arrays_into`` (the
@@ -17,7 +17,7 @@ import importlib
 import sys
 import types
 
-from mooncake_plugins.store.structured.inference import (
+from mooncake_plugins.compat.structured.inference import (
     MAX_DEPTH as _INFER_MAX_DEPTH,
     MAX_LIST_LEN as _INFER_MAX_LIST_LEN,
     MAX_STRUCT_KEYS as _INFER_MAX_STRUCT_KEYS,
@@ -31,7 +31,7 @@ from mooncake_plugins.store.structured.inference import (
     infer_structure,
 )
 
-_IMPL = "mooncake_plugins.store.structured."
+_IMPL = "mooncake_plugins.compat.structured."
 # name here -> (implementation module, name there); loaded on first use, so importing
 # this module for the inference layer alone does not import numpy
 _LAZY = {

@@ -1,6 +1,7 @@
-"""Imports point one way: ``mooncake/`` and ``mooncake_plugins/compat/`` wrap the core, never
-the other way round. Every import in the core (``mooncake_plugins/`` less ``compat/``),
-including those inside functions and ``importlib.import_module("...")`` calls, is checked."""
+"""Imports point one way: ``mooncake/`` wraps ``mooncake_plugins/compat/``, and both wrap the
+core, never the other way round. Every import in the core (``mooncake_plugins/`` less
+``compat/``) and in ``compat/`` (``structured/`` included), including those inside functions
+and ``importlib.import_module("...")`` calls, is checked."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mooncake_plugins"
 WRAPPERS = ("mooncake", "mooncake_plugins.compat")
+DROP_IN = ("mooncake",)
 ALLOWED = {
     # `mooncake-plugins doctor` reports which package a plain `import mooncake` gives (the
     # original's or our drop-in), so it imports it by that name on purpose
@@ -54,15 +56,16 @@ def imports(source: str, relpath: str) -> Iterator[tuple[int, str]]:
             yield node.lineno, _resolve(name[level:] or None, level, package)
 
 
-def _wraps(name: str) -> bool:
-    return any(name == w or name.startswith(w + ".") for w in WRAPPERS)
+def _wraps(name: str, wrappers: tuple[str, ...]) -> bool:
+    return any(name == w or name.startswith(w + ".") for w in wrappers)
 
 
-def violations(source: str, relpath: str) -> list[str]:
-    """``"<relpath>:<line>: <module>"`` for each line that imports a wrapper."""
+def violations(source: str, relpath: str,
+               wrappers: tuple[str, ...] = WRAPPERS) -> list[str]:
+    """``"<relpath>:<line>: <module>"`` for each line that imports one of ``wrappers``."""
     flagged: dict[int, str] = {}
     for line, name in imports(source, relpath):
-        if _wraps(name) and (relpath, name) not in ALLOWED:
+        if _wraps(name, wrappers) and (relpath, name) not in ALLOWED:
             flagged.setdefault(line, name)
     return [f"{relpath}:{line}: {name}" for line, name in sorted(flagged.items())]
 
@@ -80,6 +83,17 @@ def test_core_does_not_import_its_wrappers() -> None:
                        "core and re-export it there):\n" + "\n".join(found))
 
 
+def test_compat_does_not_import_the_drop_in() -> None:
+    found, checked = [], 0
+    for path in sorted((PACKAGE / "compat").rglob("*.py")):
+        relpath = path.relative_to(PACKAGE).as_posix()
+        found += violations(path.read_text(), relpath, DROP_IN)
+        checked += 1
+    assert checked > 15, f"only {checked} compat modules found under {PACKAGE / 'compat'}"
+    assert not found, ("compat/ imports mooncake/ (the drop-in wraps compat/, not the other "
+                       "way round):\n" + "\n".join(found))
+
+
 @pytest.mark.parametrize("source", [
     "import mooncake",
     "import mooncake.store as s",
@@ -92,7 +106,7 @@ def test_core_does_not_import_its_wrappers() -> None:
     "from importlib import import_module\nimport_module('...compat.store', __package__)",
 ])
 def test_checker_sees(source: str) -> None:
-    assert violations(source, "store/structured/x.py")
+    assert violations(source, "store/local/x.py")
 
 
 @pytest.mark.parametrize("source", [
@@ -102,4 +116,15 @@ def test_checker_sees(source: str) -> None:
     "from .. import compat",  # mooncake_plugins.store.compat, not the wrapper
 ])
 def test_checker_passes(source: str) -> None:
-    assert not violations(source, "store/structured/x.py")
+    assert not violations(source, "store/local/x.py")
+
+
+@pytest.mark.parametrize("source, flagged", [
+    ("import mooncake.store", True),
+    ("from mooncake.structured_object_store import MooncakeBundleTransfer", True),
+    ("from ...store.replicate_config import ReplicateConfig", False),
+    ("from .. import store", False),  # mooncake_plugins.compat.store
+    ("import mooncake_plugins.compat.store", False),
+])
+def test_compat_checker(source: str, flagged: bool) -> None:
+    assert bool(violations(source, "compat/structured/x.py", DROP_IN)) is flagged

@@ -1,9 +1,9 @@
 """The original's per-put options: ``ReplicateConfig`` with ``SoftPinAction`` and
 ``ObjectDataType``, as ``mooncake.store`` spells them.
 
-Stores with the original's API (``compat.store``) take them, and the structured store makes
-them for the writes it passes to such stores. ``ReplicateConfig._ours()`` gives the
-:class:`.client.ReplicateConfig` our StoreClient takes.
+Stores with the original's API (``compat.store``) take them, and the structured store
+(``compat.structured``) makes them for the writes it passes to such stores.
+``ReplicateConfig._ours()`` gives the :class:`.client.ReplicateConfig` our StoreClient takes.
 """
 
 from __future__ import annotations

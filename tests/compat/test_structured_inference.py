@@ -1,4 +1,4 @@
-"""Column/codec inference of structured objects (``mooncake_plugins.store.structured``)
+"""Column/codec inference of structured objects (``mooncake_plugins.compat.structured``)
 and its original names in ``mooncake.structured_object_store``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import require_module
 
-from mooncake_plugins.store.structured import (
+from mooncake_plugins.compat.structured import (
     MAX_DEPTH,
     MAX_LIST_LEN,
     MAX_STRUCT_KEYS,
@@ -243,7 +243,7 @@ def test_hooks_patch_and_restore_the_implementation(hook, module, attr):
 
     import mooncake.structured_object_store as sos
 
-    impl = importlib.import_module(f"mooncake_plugins.store.structured.{module}")
+    impl = importlib.import_module(f"mooncake_plugins.compat.structured.{module}")
     original = getattr(impl, attr)
     assert getattr(sos, hook) is original
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..replicate_config import ReplicateConfig
+from ...store.replicate_config import ReplicateConfig
 from . import dataproto as dp
 from . import payloads, writes
 from .manifest import BundleManifestStore, check_chunk_bytes, normalize_prefix
