@@ -1,9 +1,9 @@
 """Build the Cython data path in native/ into mooncake_plugins._native.*, and the NIXL
 backend plugin (native/nixl) into mooncake_plugins/nixl/libplugin_MOONCAKE.so.
 
-``MOONCAKE_PUREPYTHON=1`` skips the extensions (the Python fallbacks are used), and an
-optional module whose system headers are missing is skipped with a printed reason; so is
-the NIXL plugin where no C++20 compiler works.
+``MOONCAKE_PUREPYTHON=1`` skips the extensions (the Python fallbacks are used); otherwise
+every extension is built or the install fails. The NIXL plugin is skipped with a printed
+reason where no C++20 compiler works.
 """
 
 import os
@@ -13,17 +13,12 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-HERE = Path(__file__).parent
-NATIVE = ["buffers", "tcp", "shm", "fast_copy", "cuda"]
-# Extra libraries per module. cuda links no CUDA library and reads no CUDA header: it
-# dlopens libcuda.so.1 at first use (libdl for glibc < 2.34), so one wheel serves machines
-# with or without CUDA, and any CUDA 12 or 13 driver.
-LIBRARIES: dict[str, list[str]] = {"cuda": ["dl"]}
-# Optional modules: name -> header that must exist for it to build. verbs reads only the
-# structures' layouts from the header (libibverbs-dev) and dlopens libibverbs.so.1 at run
-# time, so it links nothing either.
-OPTIONAL: dict[str, str] = {"verbs": "/usr/include/infiniband/verbs.h"}
-LIBRARIES["verbs"] = ["dl"]
+NATIVE = ["buffers", "tcp", "shm", "fast_copy", "cuda", "verbs"]
+# Extra libraries per module. cuda and verbs link no CUDA or RDMA library and read no
+# system header of theirs: they dlopen libcuda.so.1 / libibverbs.so.1 at first use (libdl
+# for glibc < 2.34), verbs with our own declarations of the verbs ABI
+# (native/verbs_abi.h), so one wheel serves machines with or without CUDA or RDMA.
+LIBRARIES: dict[str, list[str]] = {"cuda": ["dl"], "verbs": ["dl"]}
 
 
 def _extensions():
@@ -36,19 +31,13 @@ def _extensions():
     from Cython.Build import cythonize
     from setuptools import Extension
 
-    names = list(NATIVE)
-    for name, header in OPTIONAL.items():
-        if Path(header).exists():
-            names.append(name)
-        else:
-            print(f"mooncake_plugins: skipping native module {name!r}: {header} not found")
     exts = [
         Extension(f"mooncake_plugins._native.{name}", [f"native/{name}.pyx"],
-                  define_macros=[("_GNU_SOURCE", "1")], extra_compile_args=["-O2"],
-                  libraries=LIBRARIES.get(name, []))
-        for name in names
+                  include_dirs=["native"], define_macros=[("_GNU_SOURCE", "1")],
+                  extra_compile_args=["-O2"], libraries=LIBRARIES.get(name, []))
+        for name in NATIVE
     ]
-    print("mooncake_plugins: accelerated build:", ", ".join(names))
+    print("mooncake_plugins: accelerated build:", ", ".join(NATIVE))
     return cythonize(exts, include_path=["native"], language_level=3, quiet=True) + _nixl_plugin()
 
 

@@ -1,11 +1,13 @@
 # cython: language_level=3, embedsignature=True
 """libibverbs, opened with dlopen at first use, never linked: RDMA devices, ports, GIDs.
 
-Built only where ``infiniband/verbs.h`` is found (Debian's libibverbs-dev): the header
-gives the structures' layouts; every function is resolved with dlsym from the library
-``open_library`` loads, so the module has no link-time dependency on libibverbs and one
-wheel imports on machines with or without it. ``transfer/verbs.py`` chooses the library
-path and turns failures into sentences; this module only calls the library.
+Built everywhere Cython is, with no libibverbs headers: the structures' layouts and the
+constants come from our own declarations of the ABI (``native/verbs_abi.h``, checked
+against rdma-core's header by tests/transfer/test_verbs_abi.py); every function is
+resolved with dlsym from the library ``open_library`` loads, so the module has no
+link-time dependency on libibverbs and one wheel imports on machines with or without it.
+``transfer/verbs.py`` chooses the library path and turns failures into sentences; this
+module only calls the library.
 
 Discovery (``list_devices``: ports' state, MTU, LID, link layer, GID tables) and the
 data path of the rdma transport: :class:`Device` (an opened device with its protection
@@ -29,10 +31,13 @@ cdef extern from "<endian.h>":
     uint64_t be64toh(uint64_t x) nogil
 
 
-cdef extern from "infiniband/verbs.h":
+cdef extern from "verbs_abi.h":
+    # our declarations of libibverbs' ABI (native/verbs_abi.h): no libibverbs-dev needed
     struct ibv_device:
         pass
     struct ibv_context:
+        pass
+    struct ibv_comp_channel:
         pass
     struct ibv_device_attr:
         uint8_t phys_port_cnt
@@ -110,12 +115,11 @@ cdef extern from "infiniband/verbs.h":
         uint64_t addr
         uint32_t length
         uint32_t lkey
-    # the anonymous union of ibv_send_wr; the C names are never emitted
-    struct _wr_rdma "__mc_wr_rdma":
+    struct ibv_rdma_wr:
         uint64_t remote_addr
         uint32_t rkey
-    union _wr_union "__mc_wr_union":
-        _wr_rdma rdma
+    union ibv_send_wr_wr:
+        ibv_rdma_wr rdma
     struct ibv_send_wr:
         uint64_t wr_id
         ibv_send_wr *next
@@ -123,7 +127,7 @@ cdef extern from "infiniband/verbs.h":
         int num_sge
         int opcode
         unsigned int send_flags
-        _wr_union wr
+        ibv_send_wr_wr wr
     struct ibv_wc:
         uint64_t wr_id
         int status
@@ -131,10 +135,24 @@ cdef extern from "infiniband/verbs.h":
         uint32_t vendor_err
         uint32_t byte_len
         uint32_t qp_num
-    # static inline in the header: calls through the provider's ops table, no symbol
+    # static inline: calls through the provider's ops table, no symbol
     int ibv_post_send(ibv_qp *qp, ibv_send_wr *wr, ibv_send_wr **bad_wr) nogil
     int ibv_poll_cq(ibv_cq *cq, int num_entries, ibv_wc *wc) nogil
     enum:
+        IBV_PORT_NOP
+        IBV_PORT_DOWN
+        IBV_PORT_INIT
+        IBV_PORT_ARMED
+        IBV_PORT_ACTIVE
+        IBV_PORT_ACTIVE_DEFER
+        IBV_LINK_LAYER_UNSPECIFIED
+        IBV_LINK_LAYER_INFINIBAND
+        IBV_LINK_LAYER_ETHERNET
+        IBV_MTU_256
+        IBV_MTU_512
+        IBV_MTU_1024
+        IBV_MTU_2048
+        IBV_MTU_4096
         IBV_QPT_RC
         IBV_QPS_RESET
         IBV_QPS_INIT
@@ -162,58 +180,77 @@ cdef extern from "infiniband/verbs.h":
         IBV_ACCESS_LOCAL_WRITE
         IBV_ACCESS_REMOTE_WRITE
         IBV_ACCESS_REMOTE_READ
-
-
-ctypedef ibv_device **(*get_device_list_t)(int *num) noexcept nogil
-ctypedef void (*free_device_list_t)(ibv_device **devices) noexcept nogil
-ctypedef const char *(*get_device_name_t)(ibv_device *device) noexcept nogil
-ctypedef ibv_context *(*open_device_t)(ibv_device *device) noexcept nogil
-ctypedef int (*close_device_t)(ibv_context *context) noexcept nogil
-ctypedef int (*query_device_t)(ibv_context *context, ibv_device_attr *attr) noexcept nogil
-ctypedef int (*query_port_t)(ibv_context *context, uint8_t port, void *attr) noexcept nogil
-ctypedef int (*query_gid_t)(ibv_context *context, uint8_t port, int index,
-                            ibv_gid *gid) noexcept nogil
-ctypedef ibv_pd *(*alloc_pd_t)(ibv_context *context) noexcept nogil
-ctypedef int (*dealloc_pd_t)(ibv_pd *pd) noexcept nogil
-ctypedef ibv_mr *(*reg_mr_t)(ibv_pd *pd, void *addr, size_t length, int access) noexcept nogil
-ctypedef ibv_mr *(*reg_dmabuf_mr_t)(ibv_pd *pd, uint64_t offset, size_t length, uint64_t iova,
-                                    int fd, int access) noexcept nogil
-ctypedef int (*dereg_mr_t)(ibv_mr *mr) noexcept nogil
-ctypedef ibv_cq *(*create_cq_t)(ibv_context *context, int cqe, void *cq_context,
-                                void *channel, int comp_vector) noexcept nogil
-ctypedef int (*destroy_cq_t)(ibv_cq *cq) noexcept nogil
-ctypedef ibv_qp *(*create_qp_t)(ibv_pd *pd, ibv_qp_init_attr *attr) noexcept nogil
-ctypedef int (*modify_qp_t)(ibv_qp *qp, ibv_qp_attr *attr, int mask) noexcept nogil
-ctypedef int (*destroy_qp_t)(ibv_qp *qp) noexcept nogil
+        IBV_WC_SUCCESS
+        IBV_WC_LOC_LEN_ERR
+        IBV_WC_LOC_QP_OP_ERR
+        IBV_WC_LOC_PROT_ERR
+        IBV_WC_WR_FLUSH_ERR
+        IBV_WC_BAD_RESP_ERR
+        IBV_WC_LOC_ACCESS_ERR
+        IBV_WC_REM_INV_REQ_ERR
+        IBV_WC_REM_ACCESS_ERR
+        IBV_WC_REM_OP_ERR
+        IBV_WC_RETRY_EXC_ERR
+        IBV_WC_RNR_RETRY_EXC_ERR
+    # the exported functions, resolved with dlsym
+    ctypedef ibv_device **(*ibv_get_device_list_fn)(int *num) noexcept nogil
+    ctypedef void (*ibv_free_device_list_fn)(ibv_device **devices) noexcept nogil
+    ctypedef const char *(*ibv_get_device_name_fn)(ibv_device *device) noexcept nogil
+    ctypedef ibv_context *(*ibv_open_device_fn)(ibv_device *device) noexcept nogil
+    ctypedef int (*ibv_close_device_fn)(ibv_context *context) noexcept nogil
+    ctypedef int (*ibv_query_device_fn)(ibv_context *context,
+                                        ibv_device_attr *attr) noexcept nogil
+    ctypedef int (*ibv_query_port_fn)(ibv_context *context, uint8_t port,
+                                      ibv_port_attr *attr) noexcept nogil
+    ctypedef int (*ibv_query_gid_fn)(ibv_context *context, uint8_t port, int index,
+                                     ibv_gid *gid) noexcept nogil
+    ctypedef ibv_pd *(*ibv_alloc_pd_fn)(ibv_context *context) noexcept nogil
+    ctypedef int (*ibv_dealloc_pd_fn)(ibv_pd *pd) noexcept nogil
+    ctypedef ibv_mr *(*ibv_reg_mr_fn)(ibv_pd *pd, void *addr, size_t length,
+                                      int access) noexcept nogil
+    ctypedef ibv_mr *(*ibv_reg_dmabuf_mr_fn)(ibv_pd *pd, uint64_t offset, size_t length,
+                                             uint64_t iova, int fd, int access) noexcept nogil
+    ctypedef int (*ibv_dereg_mr_fn)(ibv_mr *mr) noexcept nogil
+    ctypedef ibv_cq *(*ibv_create_cq_fn)(ibv_context *context, int cqe, void *cq_context,
+                                         ibv_comp_channel *channel,
+                                         int comp_vector) noexcept nogil
+    ctypedef int (*ibv_destroy_cq_fn)(ibv_cq *cq) noexcept nogil
+    ctypedef ibv_qp *(*ibv_create_qp_fn)(ibv_pd *pd, ibv_qp_init_attr *attr) noexcept nogil
+    ctypedef int (*ibv_modify_qp_fn)(ibv_qp *qp, ibv_qp_attr *attr, int mask) noexcept nogil
+    ctypedef int (*ibv_destroy_qp_fn)(ibv_qp *qp) noexcept nogil
 
 
 cdef struct Api:
-    get_device_list_t get_device_list
-    free_device_list_t free_device_list
-    get_device_name_t get_device_name
-    open_device_t open_device
-    close_device_t close_device
-    query_device_t query_device
-    query_port_t query_port
-    query_gid_t query_gid
-    alloc_pd_t alloc_pd
-    dealloc_pd_t dealloc_pd
-    reg_mr_t reg_mr
-    reg_dmabuf_mr_t reg_dmabuf_mr   # NULL in libraries older than rdma-core 34
-    dereg_mr_t dereg_mr
-    create_cq_t create_cq
-    destroy_cq_t destroy_cq
-    create_qp_t create_qp
-    modify_qp_t modify_qp
-    destroy_qp_t destroy_qp
+    ibv_get_device_list_fn get_device_list
+    ibv_free_device_list_fn free_device_list
+    ibv_get_device_name_fn get_device_name
+    ibv_open_device_fn open_device
+    ibv_close_device_fn close_device
+    ibv_query_device_fn query_device
+    ibv_query_port_fn query_port
+    ibv_query_gid_fn query_gid
+    ibv_alloc_pd_fn alloc_pd
+    ibv_dealloc_pd_fn dealloc_pd
+    ibv_reg_mr_fn reg_mr
+    ibv_reg_dmabuf_mr_fn reg_dmabuf_mr   # NULL in libraries older than rdma-core 34
+    ibv_dereg_mr_fn dereg_mr
+    ibv_create_cq_fn create_cq
+    ibv_destroy_cq_fn destroy_cq
+    ibv_create_qp_fn create_qp
+    ibv_modify_qp_fn modify_qp
+    ibv_destroy_qp_fn destroy_qp
 
 
 cdef Api api
 cdef void *handle = NULL
 
-PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
-LINK_LAYERS = {0: "unspecified", 1: "InfiniBand", 2: "Ethernet"}
-MTUS = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
+PORT_STATES = {IBV_PORT_NOP: "NOP", IBV_PORT_DOWN: "DOWN", IBV_PORT_INIT: "INIT",
+               IBV_PORT_ARMED: "ARMED", IBV_PORT_ACTIVE: "ACTIVE",
+               IBV_PORT_ACTIVE_DEFER: "ACTIVE_DEFER"}
+LINK_LAYERS = {IBV_LINK_LAYER_UNSPECIFIED: "unspecified",
+               IBV_LINK_LAYER_INFINIBAND: "InfiniBand", IBV_LINK_LAYER_ETHERNET: "Ethernet"}
+MTUS = {IBV_MTU_256: 256, IBV_MTU_512: 512, IBV_MTU_1024: 1024, IBV_MTU_2048: 2048,
+        IBV_MTU_4096: 4096}
 
 
 cdef void *_sym(const char *name) except NULL:
@@ -235,24 +272,24 @@ def open_library(str path):
         raise OSError(dlerror().decode(errors="replace"))
     handle = h
     try:
-        api.get_device_list = <get_device_list_t>_sym(b"ibv_get_device_list")
-        api.free_device_list = <free_device_list_t>_sym(b"ibv_free_device_list")
-        api.get_device_name = <get_device_name_t>_sym(b"ibv_get_device_name")
-        api.open_device = <open_device_t>_sym(b"ibv_open_device")
-        api.close_device = <close_device_t>_sym(b"ibv_close_device")
-        api.query_device = <query_device_t>_sym(b"ibv_query_device")
-        api.query_port = <query_port_t>_sym(b"ibv_query_port")
-        api.query_gid = <query_gid_t>_sym(b"ibv_query_gid")
-        api.alloc_pd = <alloc_pd_t>_sym(b"ibv_alloc_pd")
-        api.dealloc_pd = <dealloc_pd_t>_sym(b"ibv_dealloc_pd")
-        api.reg_mr = <reg_mr_t>_sym(b"ibv_reg_mr")
-        api.reg_dmabuf_mr = <reg_dmabuf_mr_t>dlsym(handle, b"ibv_reg_dmabuf_mr")
-        api.dereg_mr = <dereg_mr_t>_sym(b"ibv_dereg_mr")
-        api.create_cq = <create_cq_t>_sym(b"ibv_create_cq")
-        api.destroy_cq = <destroy_cq_t>_sym(b"ibv_destroy_cq")
-        api.create_qp = <create_qp_t>_sym(b"ibv_create_qp")
-        api.modify_qp = <modify_qp_t>_sym(b"ibv_modify_qp")
-        api.destroy_qp = <destroy_qp_t>_sym(b"ibv_destroy_qp")
+        api.get_device_list = <ibv_get_device_list_fn>_sym(b"ibv_get_device_list")
+        api.free_device_list = <ibv_free_device_list_fn>_sym(b"ibv_free_device_list")
+        api.get_device_name = <ibv_get_device_name_fn>_sym(b"ibv_get_device_name")
+        api.open_device = <ibv_open_device_fn>_sym(b"ibv_open_device")
+        api.close_device = <ibv_close_device_fn>_sym(b"ibv_close_device")
+        api.query_device = <ibv_query_device_fn>_sym(b"ibv_query_device")
+        api.query_port = <ibv_query_port_fn>_sym(b"ibv_query_port")
+        api.query_gid = <ibv_query_gid_fn>_sym(b"ibv_query_gid")
+        api.alloc_pd = <ibv_alloc_pd_fn>_sym(b"ibv_alloc_pd")
+        api.dealloc_pd = <ibv_dealloc_pd_fn>_sym(b"ibv_dealloc_pd")
+        api.reg_mr = <ibv_reg_mr_fn>_sym(b"ibv_reg_mr")
+        api.reg_dmabuf_mr = <ibv_reg_dmabuf_mr_fn>dlsym(handle, b"ibv_reg_dmabuf_mr")
+        api.dereg_mr = <ibv_dereg_mr_fn>_sym(b"ibv_dereg_mr")
+        api.create_cq = <ibv_create_cq_fn>_sym(b"ibv_create_cq")
+        api.destroy_cq = <ibv_destroy_cq_fn>_sym(b"ibv_destroy_cq")
+        api.create_qp = <ibv_create_qp_fn>_sym(b"ibv_create_qp")
+        api.modify_qp = <ibv_modify_qp_fn>_sym(b"ibv_modify_qp")
+        api.destroy_qp = <ibv_destroy_qp_fn>_sym(b"ibv_destroy_qp")
     except LookupError:
         handle = NULL
         raise
@@ -345,14 +382,19 @@ ACCESS_LOCAL_WRITE = IBV_ACCESS_LOCAL_WRITE
 ACCESS_REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
 ACCESS_REMOTE_READ = IBV_ACCESS_REMOTE_READ
 MTU_ENUMS = {v: k for k, v in MTUS.items()}
-WC_STATUS = {0: "success", 1: "local length error", 2: "local QP operation error",
-             4: "local protection error", 5: "work request flushed", 7: "bad response",
-             8: "local access error", 9: "remote invalid request", 10: "remote access error",
-             11: "remote operation error", 12: "transport retry counter exceeded",
-             13: "RNR retry counter exceeded"}
-WC_SUCCESS = 0
-WC_REM_ACCESS_ERR = 10
-WC_WR_FLUSH_ERR = 5
+WC_STATUS = {IBV_WC_SUCCESS: "success", IBV_WC_LOC_LEN_ERR: "local length error",
+             IBV_WC_LOC_QP_OP_ERR: "local QP operation error",
+             IBV_WC_LOC_PROT_ERR: "local protection error",
+             IBV_WC_WR_FLUSH_ERR: "work request flushed", IBV_WC_BAD_RESP_ERR: "bad response",
+             IBV_WC_LOC_ACCESS_ERR: "local access error",
+             IBV_WC_REM_INV_REQ_ERR: "remote invalid request",
+             IBV_WC_REM_ACCESS_ERR: "remote access error",
+             IBV_WC_REM_OP_ERR: "remote operation error",
+             IBV_WC_RETRY_EXC_ERR: "transport retry counter exceeded",
+             IBV_WC_RNR_RETRY_EXC_ERR: "RNR retry counter exceeded"}
+WC_SUCCESS = IBV_WC_SUCCESS
+WC_REM_ACCESS_ERR = IBV_WC_REM_ACCESS_ERR
+WC_WR_FLUSH_ERR = IBV_WC_WR_FLUSH_ERR
 DEF MAX_POLL = 64
 
 

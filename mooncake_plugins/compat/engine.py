@@ -199,7 +199,8 @@ class TransferEngine:
 
     def get_local_topology(self, device_name: str | None = None) -> str:
         """The original's JSON of this host's RDMA NICs per memory location,
-        ``{"cpu:0": [[preferred], [fallback]], "cuda:0": ...}`` (``{}`` without RDMA NICs);
+        ``{"cpu:0": [[preferred], [fallback]], "cuda:0": ...}`` (empty lists without RDMA
+        NICs: ``{"cpu:0": [[], []]}``);
         ``device_name``: only these devices (comma or space separated)."""
         devices = [d for d in (device_name or "").replace(",", " ").split() if d]
         return NicTopology.discover(SYSFS, devices=devices or None).to_json()

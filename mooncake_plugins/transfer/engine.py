@@ -163,6 +163,15 @@ def _split_hostname(local_hostname: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _rdma_alone(exc: TransportUnavailable) -> str:
+    """The sentence for an engine configured with rdma alone where rdma is unusable."""
+    reason = str(exc)
+    if not reason.startswith("no RDMA device"):
+        reason = f"no RDMA device: {reason}"
+    return (f"{reason} (rdma is the only transport configured, MC_TRANSPORTS=rdma: add tcp "
+            f"to fall back to it)")
+
+
 class TransferEngine:
     """Moves bytes between this process's registered memory and other segments.
 
@@ -176,7 +185,8 @@ class TransferEngine:
             which is what peers must use in P2PHANDSHAKE mode).
 
     Raises:
-        InvalidArgument, MetadataError, OSError (port in use).
+        InvalidArgument, MetadataError, OSError (port in use), TransportUnavailable (rdma
+        is the only configured transport and is unusable here: "no RDMA device: ...").
     """
 
     def __init__(self, local_hostname: str = "127.0.0.1", metadata_server: str = P2P, *,
@@ -228,7 +238,8 @@ class TransferEngine:
         # the default list, or the original API's "tcp" form of it (apply_protocol)
         implicit = list(self.config.transports) in (
             list(DEFAULT_TRANSPORTS), [t for t in DEFAULT_TRANSPORTS if t != "rdma"])
-        for name in dict.fromkeys(self.config.transports):
+        named = list(dict.fromkeys(self.config.transports))
+        for name in named:
             if name == registry.CONTROL:
                 self._transports.append(self._control)
                 continue
@@ -241,6 +252,8 @@ class TransferEngine:
             try:
                 self._transports.append(registry.build_transport(name, self.config))
             except TransportUnavailable as exc:
+                if named == ["rdma"]:  # without it, this engine could reach no peer
+                    raise TransportUnavailable(_rdma_alone(exc)) from exc
                 (log.debug if implicit and name in registry.QUIET else log.warning)(
                     "transport %s disabled: %s", name, exc)
         self._transports = registry.rank(self._transports)  # best first: see _paths

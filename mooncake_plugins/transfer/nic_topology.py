@@ -156,9 +156,8 @@ class NicTopology:
 
     def to_json(self) -> str:
         """The original's shape: ``{"cpu:0": [[preferred], [fallback]], "cuda:0": ...}``,
-        one entry per NUMA node and per GPU (``{}`` without any RDMA NIC)."""
-        if not self.nics:
-            return "{}"
+        one entry per NUMA node and per GPU, on every host (empty lists without RDMA NICs:
+        ``{"cpu:0": [[], []]}``)."""
         locations = [f"cpu:{n}" for n in self.numa_nodes or [0]] + \
             [f"cuda:{i}" for i in range(len(self.gpus))]
         return json.dumps({loc: [list(p) for p in self.nics_for(loc)] for loc in locations})

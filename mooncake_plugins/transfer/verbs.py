@@ -1,9 +1,9 @@
 """RDMA devices through libibverbs, loaded at run time where present, never linked.
 
-``_native.verbs`` is built where libibverbs' headers were found at install; it dlopens
-``libibverbs.so.1`` (or ``MOONCAKE_LIBIBVERBS``) at first use. Every way this can fail on
-a machine (module not built, library missing, a kernel without RDMA, no device) is one
-sentence from :func:`why_unavailable`, never a crash. The rdma transport
+``_native.verbs`` is built by every native install (it needs no libibverbs headers); it
+dlopens ``libibverbs.so.1`` (or ``MOONCAKE_LIBIBVERBS``) at first use. Every way this can
+fail on a machine (a pure-Python install, library missing, a kernel without RDMA, no
+device) is one sentence from :func:`why_unavailable`, never a crash. The rdma transport
 (``transports/rdma.py``) opens devices, memory regions and queue pairs through
 :func:`native`.
 """
@@ -37,8 +37,8 @@ def _load() -> None:
         try:
             from .._native import verbs as native
         except ImportError:
-            _reason = ("the verbs module was not built (libibverbs' headers were missing at "
-                       "install: apt install libibverbs-dev, then reinstall)")
+            _reason = ("the verbs module is not built (a pure-Python install: reinstall "
+                       "without MOONCAKE_PUREPYTHON=1)")
             return
         path = libibverbs_path() or LIBRARY
         try:
@@ -59,7 +59,7 @@ def _load() -> None:
                 _reason = f"no RDMA device: {exc.strerror or exc}"
             return
         if not _devices:
-            _reason = "no RDMA device"
+            _reason = "no RDMA device: libibverbs lists none"
 
 
 def available() -> bool:

@@ -13,8 +13,7 @@ RESULTS="${OUT:-$ROOT/tests/rdma/results}"
 mkdir -p "$RESULTS"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 PY=$(command -v python3 || command -v python)
-if ! "$PY" -c "import mooncake_plugins._native.verbs" >/dev/null 2>&1 \
-        && [ -f /usr/include/infiniband/verbs.h ]; then
+if ! "$PY" -c "import mooncake_plugins._native.verbs" >/dev/null 2>&1; then
     echo "== building the native modules in place (the verbs module needs them)"
     "$PY" setup.py -q build_ext --inplace -j 8 >"$RESULTS/build.log" 2>&1 \
         || { tail -n 30 "$RESULTS/build.log" >&2; echo "run.sh: the build failed" >&2; exit 3; }

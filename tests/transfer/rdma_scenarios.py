@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from mooncake_plugins.config import EngineConfig
-from mooncake_plugins.errors import AddressError, MooncakeError, TransferError
+from mooncake_plugins.errors import (AddressError, MooncakeError, TransferError,
+                                     TransportUnavailable)
 from mooncake_plugins.transfer import OpCode, TransferEngine, verbs
 
 HERE = Path(__file__).parent
@@ -265,7 +266,10 @@ def path_pause() -> None:
         b.write(a.segment_name, src.address, dst.address, n)
         grew = {p for p, k in moved().items() if k > before.get(p, 0)}
         assert grew == set(stats) - set(paused), (grew, paused)
-        time.sleep(1.1)
+        deadline = time.monotonic() + 10
+        while any(st["paused"] for st in b.path_stats().values()):   # the pause ends
+            assert time.monotonic() < deadline, b.path_stats()
+            time.sleep(0.02)
         before = moved()
         b.write(a.segment_name, src.address, dst.address, n)
         grew = {p for p, k in moved().items() if k > before.get(p, 0)}
@@ -413,9 +417,16 @@ def model() -> None:
 
 
 def no_device() -> None:
-    """No RDMA device: one sentence, and an engine with the default transports starts
-    without rdma and moves bytes with the others."""
-    assert verbs.why_unavailable() == "no RDMA device", verbs.why_unavailable()
+    """No RDMA device: one sentence; an engine told to use rdma alone does not start, and
+    one with the default transports starts without rdma and moves bytes with the others."""
+    assert verbs.why_unavailable() == "no RDMA device: libibverbs lists none", \
+        verbs.why_unavailable()
+    try:
+        engine().close()
+    except TransportUnavailable as exc:
+        assert str(exc).startswith("no RDMA device: libibverbs lists none"), exc
+    else:
+        raise AssertionError("an engine with rdma alone started without an RDMA device")
     with TransferEngine("127.0.0.1") as a, TransferEngine("127.0.0.1") as b:
         assert "rdma" not in [t.name for t in a._transports]
         dst = a.allocate(MiB)

@@ -77,25 +77,30 @@ def test_cuda_order_and_device_filter(tmp_path):
     assert only.nics_for("host-bogus") == ([], ["mlx5_1", "mlx5_3"])
 
 
-def test_unknown_numa_counts_as_local_and_no_nic_is_empty(tmp_path):
+def test_unknown_numa_counts_as_local_and_no_nic_gives_empty_lists(tmp_path):
     nics = [("rxe0", "pci0000:00/0000:00:02.0", -1, "4: ACTIVE"),
             ("mlx5_0", "pci0000:80/0000:80:01.0/0000:81:00.0", 1, "4: ACTIVE")]
     topo = NicTopology.discover(str(sysfs_tree(tmp_path / "a", nics=nics, gpus=[])),
                                 gpu_bus_ids=[])
     assert topo.nics_for("cpu:0") == (["rxe0"], ["mlx5_0"])
     assert topo.nics_for("cpu:1") == (["mlx5_0", "rxe0"], [])   # in name order
-    empty = NicTopology.discover(str(sysfs_tree(tmp_path / "b", nics=[], gpus=[])))
-    assert empty.to_json() == "{}" and empty.nics == []
-    assert NicTopology.discover(str(tmp_path / "nothing")).to_json() == "{}"
+    # without NICs, the original's shape still: every location, with empty lists
+    empty = NicTopology.discover(str(sysfs_tree(tmp_path / "b", nics=[])),
+                                 gpu_bus_ids=None)
+    assert empty.nics == [] and json.loads(empty.to_json()) == {
+        "cpu:0": [[], []], "cpu:1": [[], []], "cuda:0": [[], []], "cuda:1": [[], []]}
+    nothing = NicTopology.discover(str(tmp_path / "nothing"), gpu_bus_ids=[])
+    assert json.loads(nothing.to_json()) == {"cpu:0": [[], []]}
 
 
 def test_the_drop_in_reports_this_hosts_topology(monkeypatch, tmp_path):
     e = TransferEngine()
     try:
         assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-        # this machine: no RDMA NIC, so the original's shape is empty
+        # this machine: no RDMA NIC, so every NUMA node's lists are empty, as the original's
         if not os.path.isdir("/sys/class/infiniband"):
-            assert e.get_local_topology() == "{}"
+            here = json.loads(e.get_local_topology())
+            assert "cpu:0" in here and all(v == [[], []] for v in here.values()), here
         root = str(sysfs_tree(tmp_path))
         import mooncake_plugins.compat.engine as compat_engine
 

@@ -1,7 +1,8 @@
 """The verbs module where there is no RDMA device (this machine, CI): it is built, links
 nothing from libibverbs (one wheel for every machine), loads the library at run time, and
-says in one sentence why there is no RDMA; a wrong library path is one sentence too.
-tests/rdma/run.sh compares its device list with the system's on RDMA hardware."""
+says in one sentence why there is no RDMA; a wrong library path is one sentence too, and
+an engine told to use rdma alone fails at start with it. tests/rdma/run.sh compares its
+device list with the system's on RDMA hardware."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def test_no_device_is_one_sentence_not_a_crash():
     """)
     if text.startswith("devices"):
         pytest.skip(f"this machine has RDMA devices: {text}")
+    if "cannot be loaded" in text:
+        skip_or_fail(f"libibverbs is not installed (apt install libibverbs1): {text}")
     available, _, why = text.partition(" | ")
     assert available == "False" and why.startswith("no RDMA device"), text
     assert "\n" not in why
@@ -67,3 +70,25 @@ def test_a_library_that_cannot_load_is_named():
     """, MOONCAKE_LIBIBVERBS="/nonexistent/libibverbs.so.1")
     assert text.startswith("/nonexistent/libibverbs.so.1 cannot be loaded"), text
     assert "MOONCAKE_LIBIBVERBS" in text
+
+
+def test_rdma_alone_without_rdma_fails_at_start_and_protocol_rdma_falls_back():
+    text = run("""
+        from mooncake.engine import TransferEngine as Compat
+        from mooncake_plugins.errors import TransportUnavailable
+        from mooncake_plugins.transfer import TransferEngine
+        from mooncake_plugins.config import EngineConfig
+        try:
+            TransferEngine("127.0.0.1", config=EngineConfig(transports=["rdma"])).close()
+        except TransportUnavailable as exc:
+            print(exc)
+        else:
+            print("started")
+        compat = Compat()
+        print(compat.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", ""))
+        compat.close()
+    """, MOONCAKE_LIBIBVERBS="/nonexistent/libibverbs.so.1")
+    sentence, code = text.splitlines()
+    assert sentence.startswith("no RDMA device: "), sentence
+    assert "MC_TRANSPORTS=rdma" in sentence, sentence
+    assert code == "0", text   # the original API's protocol="rdma" runs over tcp

@@ -3,8 +3,9 @@
  *
  * Built as libibverbs.so.1 by tests/transfer/verbs_double.py and loaded through
  * MOONCAKE_LIBIBVERBS. It exports the part of the libibverbs ABI the RDMA transport uses,
- * with the real struct layouts (compiled against <infiniband/verbs.h>), and models RoCE RC
- * queue pairs between processes of one host:
+ * with the layouts of native/verbs_abi.h (our declarations of rdma-core's ABI, which
+ * test_verbs_abi.py compares with <infiniband/verbs.h>), and models RoCE RC queue pairs
+ * between processes of one host:
  *   - devices (VERBS_DOUBLE_DEVICES, default "double0"), one active Ethernet port, 2 GIDs;
  *   - MRs and QPs are published as files in a state directory (VERBS_DOUBLE_DIR, default
  *     /dev/shm/verbs-double-<uid>) so other processes can resolve rkeys and QP numbers:
@@ -26,7 +27,7 @@
  * Configuration is read from the environment once, at the first call that needs it.
  */
 #define _GNU_SOURCE
-#include <infiniband/verbs.h>
+#include "verbs_abi.h"
 #include <endian.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -41,10 +42,6 @@
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
-
-/* The header makes these macros around static inline wrappers; we export the real symbols. */
-#undef ibv_query_port
-#undef ibv_reg_mr
 
 #define API __attribute__((visibility("default")))
 #define MAX_DEVICES 32
@@ -299,19 +296,17 @@ API int ibv_query_device(struct ibv_context *context, struct ibv_device_attr *a)
 		.max_mr_size = 1ULL << 48, .page_size_cap = 4096, .max_qp = 1 << 16,
 		.max_qp_wr = MAX_WR, .max_sge = MAX_SGE, .max_sge_rd = MAX_SGE, .max_cq = 1 << 16,
 		.max_cqe = MAX_CQE, .max_mr = 1 << 20, .max_pd = 1 << 16, .max_qp_rd_atom = 16,
-		.max_qp_init_rd_atom = 16, .max_res_rd_atom = 16 << 16, .atomic_cap = IBV_ATOMIC_NONE,
-		.max_pkeys = 1, .phys_port_cnt = 1 };
+		.max_qp_init_rd_atom = 16, .max_res_rd_atom = 16 << 16, .max_pkeys = 1,
+		.phys_port_cnt = 1 };
 	return 0;
 }
 
-/* Writes only the compat prefix (the fields before `flags`), as the real symbol does. */
-API int ibv_query_port(struct ibv_context *context, uint8_t port_num,
-		       struct _compat_ibv_port_attr *compat)
+/* Writes only the compat prefix (through `flags`, left 0), as the real symbol does. */
+API int ibv_query_port(struct ibv_context *context, uint8_t port_num, struct ibv_port_attr *p)
 {
-	struct ibv_port_attr *p = (struct ibv_port_attr *)compat;
 	(void)context;
 	if (port_num != 1) return fail_int(EINVAL);
-	memset(p, 0, offsetof(struct ibv_port_attr, flags)); /* lid, sm_lid, counters: 0 */
+	memset(p, 0, offsetof(struct ibv_port_attr, flags) + 1); /* lid, sm_lid, counters: 0 */
 	p->state = IBV_PORT_ACTIVE;
 	p->max_mtu = p->active_mtu = IBV_MTU_4096;
 	p->gid_tbl_len = 2, p->max_msg_sz = MAX_MSG, p->pkey_tbl_len = 1, p->max_vl_num = 1;
@@ -729,3 +724,25 @@ static int post_send(struct ibv_qp *ibqp, struct ibv_send_wr *wr, struct ibv_sen
 		*bad_wr = wr, errno = err;
 	return err;
 }
+
+/* The exports have the signatures the verbs module calls them with (verbs_abi.h). */
+#define SIGNATURE(f) _Static_assert(__builtin_types_compatible_p(__typeof__(&f), f##_fn), \
+				    #f " differs from its type in verbs_abi.h")
+SIGNATURE(ibv_get_device_list);
+SIGNATURE(ibv_free_device_list);
+SIGNATURE(ibv_get_device_name);
+SIGNATURE(ibv_open_device);
+SIGNATURE(ibv_close_device);
+SIGNATURE(ibv_query_device);
+SIGNATURE(ibv_query_port);
+SIGNATURE(ibv_query_gid);
+SIGNATURE(ibv_alloc_pd);
+SIGNATURE(ibv_dealloc_pd);
+SIGNATURE(ibv_reg_mr);
+SIGNATURE(ibv_reg_dmabuf_mr);
+SIGNATURE(ibv_dereg_mr);
+SIGNATURE(ibv_create_cq);
+SIGNATURE(ibv_destroy_cq);
+SIGNATURE(ibv_create_qp);
+SIGNATURE(ibv_modify_qp);
+SIGNATURE(ibv_destroy_qp);

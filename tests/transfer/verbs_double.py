@@ -1,9 +1,11 @@
 """A TEST DOUBLE of libibverbs, standing in for an RDMA device on machines that have none (CI).
 
 ``verbs_double.c`` is a small C library exporting the part of the libibverbs ABI the RDMA
-transport uses, compiled against the system's ``<infiniband/verbs.h>`` so every struct has
-the real layout; ``library()`` builds it as ``libibverbs.so.1`` and ``environment()`` gives
-the variables that make a process load it (``MOONCAKE_LIBIBVERBS``) and configure it.
+transport uses, compiled against ``native/verbs_abi.h`` as the verbs module is (our
+declarations of the ABI, compared with rdma-core's header by ``test_verbs_abi.py``), so it
+builds wherever a C compiler does; ``library()`` builds it as ``libibverbs.so.1`` and
+``environment()`` gives the variables that make a process load it (``MOONCAKE_LIBIBVERBS``)
+and configure it.
 
 What it models: devices with one active RoCE (Ethernet) port and two GIDs; PDs, MRs with
 random rkeys, CQs, RC queue pairs and their state machine (RESET, INIT, RTR, RTS, ERR) with
@@ -32,16 +34,17 @@ import threading
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("verbs_double.c")
+NATIVE = Path(__file__).resolve().parents[2] / "native"   # verbs_abi.h
 _lock = threading.Lock()
 
 
 def library() -> str:
     """Path of the built double (``libibverbs.so.1``), compiling it on first use.
 
-    The build is cached under the system temp directory, keyed by a hash of the C source,
-    and published atomically (compiled under a temporary name, then renamed), so parallel
+    The build is cached under the system temp directory, keyed by a hash of the C source
+    and the ABI header, and published atomically (compiled under a temporary name, then renamed), so parallel
     test processes can call this at once. Raises RuntimeError when it cannot be built."""
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + (NATIVE / "verbs_abi.h").read_bytes()
     digest = hashlib.sha256(source).hexdigest()[:16]
     out_dir = Path(tempfile.gettempdir()) / f"verbs-double-{os.getuid()}-{digest}"
     lib = out_dir / "libibverbs.so.1"
@@ -51,7 +54,7 @@ def library() -> str:
         out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = out_dir / f".libibverbs.so.1.{os.getpid()}.{threading.get_ident()}"
         cmd = [os.environ.get("CC", "cc"), "-shared", "-fPIC", "-O2", "-Wall", "-Werror",
-               "-o", str(tmp), str(SOURCE)]
+               f"-I{NATIVE}", "-o", str(tmp), str(SOURCE)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as exc:

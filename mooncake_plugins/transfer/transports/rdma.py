@@ -184,7 +184,7 @@ class RdmaTransport(Transport):
             self._close_nics()
             raise
         if not self._nics:
-            raise verbs.RdmaUnavailable("no RDMA device has an ACTIVE port"
+            raise verbs.RdmaUnavailable("no RDMA device: none has an ACTIVE port"
                                         + (f" among {devices}" if devices else ""))
         self._mrs: dict[int, tuple[int, list[Any]]] = {}  # address -> (nbytes, MR per NIC)
         self._starts: list[int] = []
