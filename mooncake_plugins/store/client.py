@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from ..config import EngineConfig, apply_protocol
 from ..errors import (BufferTooSmall, ClientNotFound, InvalidArgument, InvalidParams, LeaseExpired,
                       MooncakeError, NotSupported, ObjectNotFound, RpcFailed, RpcTimeout,
-                      SegmentAlreadyExists, StoreError, StoreTransferFailed, store_error)
+                      SegmentAlreadyExists, StoreError, StoreTransferFailed,
+                      UnavailableInCurrentStatus, store_error)
 from ..transfer import OpCode, TransferEngine, cuda, memory
 from ..transfer.topology import host_id
 from . import offload
@@ -333,6 +334,7 @@ class StoreClient(DerivedForms):
             if self._offload_dir else None
         self._local_segments: dict[str, bool] = {}
         self._closed = False
+        self._refusing = False   # close() drained its background work: calls are refused
         self._stop = threading.Event()
         self._segment = None
         self._task_runner: ThreadPoolExecutor | None = None   # copy/move tasks from the master
@@ -488,9 +490,14 @@ class StoreClient(DerivedForms):
                 self._failover_run = None
             run.done.set()
 
+    def _check_open(self) -> None:
+        if self._refusing:
+            raise UnavailableInCurrentStatus("this StoreClient is closed")
+
     def _call(self, method: str, **args: Any) -> Any:
         """RPC with one retry after re-registering: with the same master when it forgot us
         or its connection broke (a restarted master), with the new leader under HA."""
+        self._check_open()
         rpc = self._rpc
         try:
             out = rpc.call(method, **args)
@@ -560,9 +567,11 @@ class StoreClient(DerivedForms):
     def register_buffer(self, address: int, nbytes: int, location: str = "*") -> None:
         """Let ``put_from``/``get_into`` use ``[address, address+nbytes)`` (zero-copy).
         ``location``: as the engine's ``register_address`` (``"*"``: found from the pointer)."""
+        self._check_open()
         self.engine.register_address(address, nbytes, location, private=True)
 
     def unregister_buffer(self, address: int) -> None:
+        self._check_open()
         self.engine.unregister(address)
 
     @contextmanager
@@ -570,6 +579,7 @@ class StoreClient(DerivedForms):
         """Register, for the ``with`` block, the GPU memory among ``(address, nbytes)``
         ranges that is not registered here yet (the original reads into and writes from
         any CUDA memory); host memory is left as it is."""
+        self._check_open()
         added: list[int] = []
         try:
             if cuda.driver_in_process():
@@ -586,6 +596,7 @@ class StoreClient(DerivedForms):
 
     def local_view(self, address: int, nbytes: int) -> memoryview:
         """A writable view of registered memory. Raises AddressError outside a registration."""
+        self._check_open()
         return self.engine.local_view(address, nbytes)
 
     # -- puts ---------------------------------------------------------------------------
@@ -594,6 +605,7 @@ class StoreClient(DerivedForms):
                         upsert: bool = False) -> list[StoreError | None]:
         """Put objects each the concatenation of several buffers, gathered straight into
         the segment (no joined copy first); per-key errors (None = ok)."""
+        self._check_open()
         if len(keys) != len(parts):
             raise InvalidParams("keys and parts differ in length")
         regions: list[Any] = []
@@ -608,6 +620,7 @@ class StoreClient(DerivedForms):
     def batch_put(self, keys: Sequence[str], values: Sequence[Any],
                   config: ReplicateConfig | None = None, upsert: bool = False) -> list[StoreError | None]:
         """Put many objects in one master round trip each way; per-key errors (None = ok)."""
+        self._check_open()
         if len(keys) != len(values):
             raise InvalidParams("keys and values differ in length")
         views = _small_values(values)
@@ -672,6 +685,7 @@ class StoreClient(DerivedForms):
                              config: ReplicateConfig | None = None,
                              upsert: bool = False) -> list[StoreError | None]:
         """Put objects each gathered from several registered ``(address, nbytes)`` pieces."""
+        self._check_open()
         if len(keys) != len(parts):
             raise InvalidParams("keys and parts differ in length")
         if not keys:
@@ -860,6 +874,7 @@ class StoreClient(DerivedForms):
 
     def flush_offload(self) -> None:
         """Wait until every background SSD-tier write issued so far finished."""
+        self._check_open()
         if self._offloader is not None:
             self._offloader.submit(lambda: None).result()
 
@@ -917,6 +932,7 @@ class StoreClient(DerivedForms):
     def locate(self, keys: Sequence[str]) -> Located:
         """Where each object's bytes are (one master round trip), for
         :meth:`batch_get_ranges_into`; this takes a read lease on each object found."""
+        self._check_open()
         since = time.monotonic()
         replies = self._call("get_replicas", keys=list(keys)) if keys else []
         found: list[Any] = []
@@ -946,6 +962,7 @@ class StoreClient(DerivedForms):
         Raises:
             InvalidParams: an object index outside ``located``.
         """
+        self._check_open()
         out: list[Any] = [None] * len(reads)
         todo = []
         for r, (i, offset, pieces) in enumerate(reads):
@@ -968,6 +985,7 @@ class StoreClient(DerivedForms):
         """Byte ranges ``(object index in located, offset, nbytes)`` of located objects,
         as bytes (read into memory of the client's own); per range the bytes or an error,
         as :meth:`batch_get_ranges_into`."""
+        self._check_open()
         buf = bytearray(max(1, sum(n for _, _, n in ranges)))
         region = self.engine.register(buf, private=True)
         try:
@@ -1021,6 +1039,7 @@ class StoreClient(DerivedForms):
 
     def _get(self, keys: list[str], dest: Callable[[int, int], list[tuple[int, int]]],
              retry_expired: bool = True) -> list:
+        self._check_open()
         if not keys:
             return []
         located = self.locate(keys)
@@ -1072,6 +1091,7 @@ class StoreClient(DerivedForms):
         is where this client reads the SSD-tier file (None: none, or no directory known).
         Like a read, this takes a read lease on each object.
         """
+        self._check_open()
         replies = self._call("get_replicas", keys=list(keys)) if keys else []
         return [store_error(code, info) if code
                 else (info[0], info[1], self._disk_path_or_none(info[2])) for code, info in replies]
@@ -1090,6 +1110,7 @@ class StoreClient(DerivedForms):
         return bool(self._call("exist", keys=[key])[0])
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
         return [bool(x) for x in self._call("exist", keys=list(keys))] if keys else []
 
     def size(self, key: str) -> int:
@@ -1106,6 +1127,7 @@ class StoreClient(DerivedForms):
             raise store_error(code, msg)
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[StoreError | None]:
+        self._check_open()
         res = self._call("remove", keys=list(keys), force=force) if keys else []
         return [store_error(c, m) if c else None for c, m in res]
 
@@ -1183,7 +1205,7 @@ class StoreClient(DerivedForms):
     # -- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
         """Unregister from the master (the segment is unmounted: its objects' replicas go),
-        stop heartbeats, release memory."""
+        stop heartbeats, release memory. Every call after it raises UnavailableInCurrentStatus."""
         if self._closed:
             return
         self._closed = True
@@ -1195,6 +1217,7 @@ class StoreClient(DerivedForms):
             runner.shutdown(wait=True, cancel_futures=True)
         if self._offloader is not None:
             self._offloader.shutdown(wait=True)  # its last writes still report to the master
+        self._refusing = True
         try:   # the master unmounts our segment and forgets us now, not a TTL later
             self._rpc.call("unregister_client", client_id=self.client_id)
         except MooncakeError as exc:

@@ -328,10 +328,12 @@ class MasterService:
         """Rebuild segments and objects from a journal's state (before serving); returns
         the number of objects restored.
 
-        The segments' owners are known again but unconfirmed: no new data is placed on
-        their segments until they heartbeat or register, and those that stay silent for
-        ``restored_client_grace_s`` (three client TTLs by default) are dropped as usual. Replicas on unknown segments are dropped;
-        objects left with fewer replicas than they should have are queued for repair.
+        The segments' owners are known again but unconfirmed: their segments take new data
+        at once (after segments whose owner is back), and those that stay silent for
+        ``restored_client_grace_s`` (three client TTLs by default) are dropped as usual;
+        repairs wait for them. The allocators hold exactly the journaled replicas. Replicas
+        on unknown segments are dropped; objects left with fewer replicas than they should
+        have are queued for repair.
         """
         with self._lock:
             now = self._clock()
@@ -558,11 +560,15 @@ class MasterService:
                   high: bool = False) -> list[MemoryReplica]:
         client = self._clients.get(client_id)
         candidates = order_segments([s for s in self._segments.values()
-                                     if s.name not in self._draining
-                                     and self._clients.get(s.client_id, _GONE).confirmed],
+                                     if s.name not in self._draining],
                                     self.config.allocation_strategy,
                                     cfg.preferred_segments, client.host_id if client else None,
                                     self._rng)
+        # segments restored from the journal take data at once (their owners count as alive
+        # until the grace runs out), after those whose owner is back: one may have died
+        # while no master watched
+        candidates.sort(key=lambda s: s.name not in cfg.preferred_segments
+                        and not self._clients.get(s.client_id, _GONE).confirmed)
         if not candidates:
             raise StoreSegmentNotFound("no segment is mounted: start a client with a global segment")
         replicas: list[MemoryReplica] = []

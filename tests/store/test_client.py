@@ -1,6 +1,7 @@
 """StoreClient API against an in-process master: semantics, bad input, SSD tier."""
 
 import ctypes
+import inspect
 import os
 import time
 
@@ -10,7 +11,7 @@ from helpers import wait_until
 
 from mooncake_plugins.errors import (BufferTooSmall, InvalidKey, InvalidParams, NoAvailableSpace,
                                      ObjectAlreadyExists, ObjectHasLease, ObjectNotFound,
-                                     RpcFailed)
+                                     RpcFailed, UnavailableInCurrentStatus)
 from mooncake_plugins.store.client import ReplicateConfig, StoreClient
 from mooncake_plugins.store.master import MasterConfig
 from mooncake_plugins.store.server import MasterServer, ServerOptions
@@ -201,6 +202,61 @@ def test_a_closed_client_is_forgotten_at_once_not_expired(master):
     finally:
         c.close()
         keep.close()
+
+
+def test_every_call_of_a_closed_client_says_it_is_closed(master):
+    """After close() each public call raises one error naming the cause (issue 44), not
+    that of whatever part it reached first (the engine, the master connection), and an
+    empty batch is no exception."""
+    c = StoreClient(master.address, global_segment_size=1 << 20)
+    c.put("k", b"v")
+    located = c.locate(["k"])
+    c.close()
+    c.close()
+    calls = {
+        "batch_exists": lambda: c.batch_exists([]),
+        "batch_get": lambda: c.batch_get([]),
+        "batch_get_into": lambda: c.batch_get_into(["k"], [0], [1]),
+        "batch_get_into_parts": lambda: c.batch_get_into_parts(["k"], [[(0, 1)]]),
+        "batch_get_ranges": lambda: c.batch_get_ranges(located, [(0, 0, 1)]),
+        "batch_get_ranges_into": lambda: c.batch_get_ranges_into(located, [(0, 0, [(0, 1)])]),
+        "batch_put": lambda: c.batch_put(["k2"], [b"v"]),
+        "batch_put_from": lambda: c.batch_put_from(["k2"], [0], [1]),
+        "batch_put_from_parts": lambda: c.batch_put_from_parts([], []),
+        "batch_put_parts": lambda: c.batch_put_parts(["k2"], [[b"v"]]),
+        "batch_remove": lambda: c.batch_remove([]),
+        "batch_replica_clear": lambda: c.batch_replica_clear(["k"]),
+        "call_master": lambda: c.call_master("stats"),
+        "copy_replicas": lambda: c.copy_replicas("k", "a", ["b"]),
+        "create_copy_task": lambda: c.create_copy_task("k", ["b"]),
+        "create_move_task": lambda: c.create_move_task("k", "a", "b"),
+        "exists": lambda: c.exists("k"),
+        "flush_offload": lambda: c.flush_offload(),
+        "get": lambda: c.get("k"),
+        "get_into": lambda: c.get_into("k", 0, 1),
+        "gpu_buffers": lambda: c.gpu_buffers([]).__enter__(),
+        "local_view": lambda: c.local_view(0, 1),
+        "locate": lambda: c.locate([]),
+        "put": lambda: c.put("k2", b"v"),
+        "put_from": lambda: c.put_from("k2", 0, 1),
+        "put_parts": lambda: c.put_parts("k2", b"v"),
+        "query_task": lambda: c.query_task([0, 0]),
+        "register_buffer": lambda: c.register_buffer(0, 1),
+        "remove": lambda: c.remove("k"),
+        "remove_all": lambda: c.remove_all(),
+        "remove_by_regex": lambda: c.remove_by_regex("k"),
+        "replicas": lambda: c.replicas([]),
+        "size": lambda: c.size("k"),
+        "stats": lambda: c.stats(),
+        "unregister_buffer": lambda: c.unregister_buffer(0),
+        "upsert": lambda: c.upsert("k", b"v"),
+    }
+    public = {name for name, v in inspect.getmembers(StoreClient)
+              if callable(v) and not name.startswith("_")}
+    assert set(calls) == public - {"close"}   # a new public call gets a line here
+    for name, call in calls.items():
+        with pytest.raises(UnavailableInCurrentStatus, match="^this StoreClient is closed$"):
+            call()
 
 
 def test_client_reregisters_after_expiry(master):
