@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .transport_table import transport_names
+
 PURE_PYTHON: bool = os.environ.get("MOONCAKE_PUREPYTHON") == "1"
 """Force the pure-Python fallbacks even where the native extensions are built."""
 
@@ -221,7 +223,6 @@ class EngineConfig:
                 ipaddress.ip_address(address)
             except ValueError:
                 raise ValueError(f"tcp_paths: {address!r} is not an IP address") from None
-        from .transfer.transports.registry import transport_names  # no import cycle at load
         known = transport_names()
         unknown = set(self.transports) - set(known)
         if unknown or not self.transports:

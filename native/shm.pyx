@@ -10,8 +10,7 @@ from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free, malloc
 from posix.types cimport pid_t
 
-from includes.posix cimport (iovec, process_vm_readv, process_vm_writev, ssize_t, errno, EINTR,
-                             memfd_create as c_memfd_create, MFD_CLOEXEC)
+from includes.posix cimport iovec, process_vm_readv, process_vm_writev, ssize_t, errno, EINTR
 from includes.errors cimport raise_errno
 
 
@@ -111,12 +110,3 @@ def vm_copy_many(int pid, list copies, bint write) -> None:
         free(lens)
         free(liov)
         free(riov)
-
-
-def memfd_create(str name) -> int:
-    """Create an anonymous memory file (close-on-exec) and return its fd."""
-    cdef bytes bname = name.encode()
-    cdef int fd = c_memfd_create(bname, MFD_CLOEXEC)
-    if fd < 0:
-        raise_errno(errno)
-    return fd

@@ -5,9 +5,10 @@ Transports are built from ``EngineConfig.transports`` through the transport regi
 reaches (``supports``), the memory kinds it moves (``memory_kinds``/``moves``, from the
 ``location`` of the local region and of the peer's published region) and its rank
 (``priority``), best first; see :meth:`TransferEngine._paths`. This module imports no
-transport class for data. What it does import from the transport modules is the target
-side every engine serves whatever its own transports: the rpc port (``TcpServer``: tcp
-data and control messages), and shm's memfds, epoch page and in-process table.
+transport class for data. The target side every engine serves whatever its own transports
+has modules of its own: the rpc port (``rpc_server.py``: tcp data and control messages),
+and what same-host peers read (``same_host.py``: memfds, the epoch page, the in-process
+table).
 
 Thread model: public methods may be called from any thread. Slices run on the engine's
 worker pool; the tcp server has its own threads. Lock order: ``TransferEngine._lock``
@@ -38,15 +39,14 @@ from . import cuda, memory
 from .batch import Batch, OpCode, TransferRequest, validate_range, validate_request
 from .metadata import MetadataStore, from_url
 from .peer import Peer
-from .segment import Region, RegionInfo, RegionTable, SegmentDescriptor, check_range
+from .rpc_server import TcpServer
+from .same_host import EPOCH, memfd_create, publish_local
+from .segment import (CUDA, HOST, Region, RegionInfo, RegionTable, SegmentDescriptor, check_range,
+                      kind_of_location)
 from .topology import host_id
 from .transports import registry
-from .transports.base import CUDA, HOST, HOST_KINDS, OP_READ, OP_WRITE, Transport, kind_of_location
-# target side, served whatever transports this engine initiates with (not path choice):
-from .transports.shm import EPOCH, publish_local  # epoch page; same-process peers' table
-from .transports.shm import impl as _shm_impl  # memfd_create of shm-mappable buffers
+from .transports.base import HOST_KINDS, OP_READ, OP_WRITE, Transport
 from .transports.staging import Staged  # local GPU memory over host-only transports
-from .transports.tcp import TcpServer  # the rpc port: tcp data and control messages
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class _Memfd:
     """
 
     def __init__(self, name: str, nbytes: int) -> None:
-        self.fd = _shm_impl.memfd_create(name)
+        self.fd = memfd_create(name)
         try:
             os.ftruncate(self.fd, nbytes)
             # No fallocate or MAP_POPULATE here: they would make the caller wait for every

@@ -1,6 +1,6 @@
 """A listening socket served by one accept thread and one thread per connection.
 
-Shared by the engine's rpc port (transports/tcp.py) and the store master's RPC
+Shared by the engine's rpc port (rpc_server.py) and the store master's RPC
 (store/rpc.py); subclasses implement ``_serve``. Lock order: ``_lock`` is a leaf.
 
 What a peer can hold: at most ``max_connections`` connections (more are closed as soon as

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from .segment import SegmentDescriptor
+from .segment import SegmentDescriptor, kind_of_location
 
 
 class Peer:
@@ -36,7 +36,6 @@ class Peer:
         from their ``location``; remembered for the latest descriptor asked about."""
         cached = self._kinds
         if cached is None or cached[0] is not descriptor:
-            from .transports.base import kind_of_location  # base imports this module
             cached = (descriptor, frozenset(kind_of_location(r.location)
                                             for r in descriptor.regions))
             self._kinds = cached

@@ -2,7 +2,9 @@
 
 A process exposes only what it registered. Every remote request (tcp target side) and
 every same-host copy (shm initiator side, against the published descriptor) is checked
-here before an address is turned into a pointer.
+here before an address is turned into a pointer. The memory kind of a region's
+``location`` (:data:`HOST`, :data:`CUDA`) is named here too, for the engine, its peers
+and every transport.
 
 Lock order: ``RegionTable._lock`` is a leaf lock; nothing else is taken while it is held.
 """
@@ -24,6 +26,24 @@ from ..errors import AddressError, InvalidArgument, ProtocolError, RegionBusy
 from .cuda import IpcHandle
 
 MAX_ADDRESS = (1 << 64) - 1
+
+HOST = "host"
+"""Memory the CPU addresses directly (registered with location ``*``, ``cpu`` or ``cpu:N``)."""
+CUDA = "cuda"
+"""GPU memory (registered with location ``cuda`` or ``cuda:N``)."""
+
+
+def kind_of_location(location: str | None) -> str:
+    """The memory kind of a region from its registered ``location``: ``cuda:N`` (or
+    ``cuda``) is :data:`CUDA`; ``*``, ``cpu``, ``cpu:N``, empty or missing are :data:`HOST`."""
+    if location and location[:4] == "cuda" and location[4:5] in ("", ":"):
+        return CUDA
+    return HOST
+
+
+def device_of(location: str) -> int:
+    """The CUDA device ordinal of a ``cuda:N`` (or ``cuda``: 0) location."""
+    return int(location[5:]) if location[4:5] == ":" else 0
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,6 @@ cdef extern from "<sys/socket.h>" nogil:
     int MSG_DONTWAIT
 
 
-cdef extern from "<sys/mman.h>" nogil:
-    int memfd_create(const char *name, unsigned int flags)
-    unsigned int MFD_CLOEXEC
-
-
 cdef extern from "<string.h>" nogil:
     void *memcpy(void *dst, const void *src, size_t n)
     char *strerror(int errnum)

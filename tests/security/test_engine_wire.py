@@ -26,12 +26,12 @@ from mooncake_plugins.config import EngineConfig
 from mooncake_plugins.errors import AddressError, TransportUnavailable
 from mooncake_plugins.transfer import TransferEngine
 from mooncake_plugins.transfer import protocol as p
+from mooncake_plugins.transfer.rpc_server import TcpServer
 from mooncake_plugins.transfer.segment import Region, RegionInfo, RegionTable, SegmentDescriptor
 from mooncake_plugins.transfer.topology import host_id
-from mooncake_plugins.transfer.transports.tcp import TcpServer
 
 PAGE = 4096
-TCP_LOG = "mooncake_plugins.transfer.transports.tcp"
+RPC_LOG = "mooncake_plugins.transfer.rpc_server"
 LISTENER_LOG = "mooncake_plugins.transfer.listener"
 SHM_LOG = "mooncake_plugins.transfer.transports.shm"
 
@@ -103,7 +103,7 @@ def test_write_to_a_read_only_region_is_refused(target: Target,
     t = target
     frames = (header(p.OP_WRITE, t.readonly_address, 64) + b"w" * 64
               + header(p.OP_READ, t.readonly_address, 8, req_id=2))
-    with caplog.at_level(logging.WARNING, logger=TCP_LOG):
+    with caplog.at_level(logging.WARNING, logger=RPC_LOG):
         (status, _, body), read = replies(exchange(t.engine.rpc_port, frames))
     assert status == AddressError.code and b"read-only" in body
     assert read == (0, 2, b"R" * 8)  # the payload was drained: the stream stayed in step
@@ -117,7 +117,7 @@ def test_a_private_region_is_invisible_to_peers(target: Target, op: int,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     t = target
     frame = header(op, t.private_address, 64) + (b"w" * 64 if op == p.OP_WRITE else b"")
-    with caplog.at_level(logging.WARNING, logger=TCP_LOG):
+    with caplog.at_level(logging.WARNING, logger=RPC_LOG):
         [(status, _, body)] = replies(exchange(t.engine.rpc_port, frame))
     assert status == AddressError.code and b"not inside a registered region" in body
     assert b"P" * 8 not in body
@@ -160,7 +160,7 @@ def test_writes_touch_exactly_the_range_inside_one_region(target: Target, offset
 ], ids=["deep", "many-maps", "array", "bin", "long-map"])
 def test_control_payload_bombs_close_the_connection(target: Target, payload: bytes,
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.ERROR, logger=TCP_LOG):
+    with caplog.at_level(logging.ERROR, logger=RPC_LOG):
         assert exchange(target.engine.rpc_port, control(payload)) == b""
     assert "malformed frame" in caplog.text
     assert serves_a_well_behaved_peer(target)
@@ -203,7 +203,7 @@ def ping(sock: socket.socket, req_id: int = 1) -> bool:
 
 def test_a_stalled_write_is_closed_and_lets_go_of_its_region(
         bare: Bare, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger=TCP_LOG), connect(bare.server.port) as sock:
+    with caplog.at_level(logging.WARNING, logger=RPC_LOG), connect(bare.server.port) as sock:
         sock.sendall(header(p.OP_WRITE, bare.address, PAGE) + b"s" * 100)  # then nothing
         assert closed_by_peer(sock, within_s=5)
     assert "made no progress" in caplog.text
@@ -211,7 +211,7 @@ def test_a_stalled_write_is_closed_and_lets_go_of_its_region(
 
 
 def test_a_stalled_header_is_closed(bare: Bare, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger=TCP_LOG), connect(bare.server.port) as sock:
+    with caplog.at_level(logging.WARNING, logger=RPC_LOG), connect(bare.server.port) as sock:
         sock.sendall(header(p.OP_READ, bare.address, 8)[:10])
         assert closed_by_peer(sock, within_s=5)
     assert "made no progress" in caplog.text
@@ -225,7 +225,7 @@ def test_an_idle_connection_between_frames_stays_open(bare: Bare) -> None:
 
 
 def test_a_peer_that_never_reads_is_dropped(bare: Bare, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger=TCP_LOG):
+    with caplog.at_level(logging.WARNING, logger=RPC_LOG):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.settimeout(5)

@@ -88,7 +88,7 @@ def test_mutated_valid_frames(target, caplog):
         "bad-msgpack", "unknown-cmd", "short"])
 def test_malformed_frame_closes_only_that_connection(target, frame, caplog):
     engine, buf = target
-    with caplog.at_level(logging.ERROR, logger="mooncake_plugins.transfer.transports.tcp"):
+    with caplog.at_level(logging.ERROR, logger="mooncake_plugins.transfer.rpc_server"):
         reply = send(engine.rpc_port, frame)
     assert reply == b""  # no data, just a closed connection
     if frame != b"\x00" * 10:

@@ -18,7 +18,7 @@ from helpers import require_module
 from mooncake_plugins.config import EngineConfig
 from mooncake_plugins.errors import RegionBusy
 from mooncake_plugins.transfer import TransferEngine, memory
-from mooncake_plugins.transfer.transports.shm import EPOCH
+from mooncake_plugins.transfer.same_host import EPOCH
 
 MiB = 1 << 20
 

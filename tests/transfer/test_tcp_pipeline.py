@@ -31,7 +31,7 @@ from mooncake_plugins.transfer.transports import tcp
 from mooncake_plugins.transfer.transports.base import OP_READ, OP_WRITE
 
 KIB = 1 << 10
-TCP_LOG = "mooncake_plugins.transfer.transports.tcp"
+RPC_LOG = "mooncake_plugins.transfer.rpc_server"
 
 
 def pattern(seed: int, n: int) -> bytes:
@@ -291,7 +291,7 @@ def test_server_answers_in_order_and_stops_at_a_malformed_frame(target, caplog):
               + p.encode_request(p.OP_WRITE, 3, buf.address + 8 * n, n) + b"c" * n
               + struct.pack("<I", 0xDEADBEEF) + bytes(p.REQUEST.size - 4)
               + p.encode_request(p.OP_WRITE, 5, buf.address + n, n) + b"e" * n)
-    with caplog.at_level(logging.WARNING, logger=TCP_LOG), \
+    with caplog.at_level(logging.WARNING, logger=RPC_LOG), \
             socket.create_connection(("127.0.0.1", target.rpc_port)) as s:
         s.settimeout(10)
         s.sendall(frames)

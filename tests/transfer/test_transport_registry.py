@@ -32,6 +32,11 @@ def _registry():
     return registry
 
 
+def _table():
+    from mooncake_plugins import transport_table
+    return transport_table
+
+
 class _CudaOnlyDoubleTransport(Transport):
     """Test double: moves only cuda-kind memory (host bytes registered as ``cuda:N``), in
     this process, and records every slice it moved as ``(segment, op, nbytes)``."""
@@ -74,26 +79,26 @@ class _NoLibraryDoubleTransport(_CudaOnlyDoubleTransport):
 @pytest.fixture
 def doubles():
     """Register the doubles under their names for one test, then remove them."""
-    registry = _registry()
+    table = _table()
     names = []
     for cls in (_CudaOnlyDoubleTransport, _FailingCudaDoubleTransport, _NoLibraryDoubleTransport):
-        registry.register_transport(cls.name, __name__, cls.__name__)
+        table.register_transport(cls.name, __name__, cls.__name__)
         names.append(cls.name)
     _CudaOnlyDoubleTransport.moved = []
     _FailingCudaDoubleTransport.failed = []
     yield
     for name in names:
-        registry.unregister_transport(name)
+        table.unregister_transport(name)
 
 
 @pytest.fixture
 def ghost():
     """A registry entry whose module does not exist."""
-    registry = _registry()
-    registry.register_transport("ghost", "mooncake_plugins.transfer.transports._no_such_module",
-                                "GhostTransport")
+    table = _table()
+    table.register_transport("ghost", "mooncake_plugins.transfer.transports._no_such_module",
+                             "GhostTransport")
     yield "ghost"
-    registry.unregister_transport("ghost")
+    table.unregister_transport("ghost")
 
 
 def engines(*transports: str) -> tuple[TransferEngine, TransferEngine]:
@@ -236,7 +241,7 @@ def test_cuda_memory_without_a_cuda_transport_names_the_kinds_and_transports():
 
 
 def test_memory_kind_of_a_location():
-    from mooncake_plugins.transfer.transports.base import kind_of_location
+    from mooncake_plugins.transfer.segment import kind_of_location
     for location in ("*", "cpu", "cpu:0", "", None, "cudax"):
         assert kind_of_location(location) == "host", location
     for location in ("cuda", "cuda:0", "cuda:7"):
@@ -246,7 +251,7 @@ def test_memory_kind_of_a_location():
 # -- the registry ----------------------------------------------------------------------------
 def test_an_unloadable_entry_is_unavailable_when_built_not_when_imported(ghost, caplog):
     registry = _registry()
-    assert ghost in registry.transport_names()  # registering imported nothing
+    assert ghost in _table().transport_names()  # registering imported nothing
     with pytest.raises(TransportUnavailable, match="transport 'ghost' is unavailable here") as info:
         registry.build_transport(ghost)
     assert "\n" not in str(info.value) and "_no_such_module" in str(info.value)
@@ -258,14 +263,14 @@ def test_an_unloadable_entry_is_unavailable_when_built_not_when_imported(ghost, 
 
 
 def test_a_missing_class_or_library_is_unavailable(doubles):
-    registry = _registry()
-    registry.register_transport("ghost_class", "mooncake_plugins.transfer.transports.tcp",
-                                "NoSuchTransport")
+    registry, table = _registry(), _table()
+    table.register_transport("ghost_class", "mooncake_plugins.transfer.transports.tcp",
+                             "NoSuchTransport")
     try:
         with pytest.raises(TransportUnavailable, match="has no Transport class 'NoSuchTransport'"):
             registry.build_transport("ghost_class")
     finally:
-        registry.unregister_transport("ghost_class")
+        table.unregister_transport("ghost_class")
     with pytest.raises(TransportUnavailable, match="'nolib_double' is unavailable here: "
                                                    "libnotthere.so.1"):
         registry.build_transport("nolib_double")
@@ -284,10 +289,10 @@ def test_unknown_transport_names_are_refused(monkeypatch, doubles):
 
 
 def test_registering_a_taken_name_needs_replace():
-    registry = _registry()
+    table = _table()
     with pytest.raises(ValueError, match="already registered"):
-        registry.register_transport("tcp", "somewhere.else", "Other")
-    assert dict((n, (m, c)) for n, m, c in registry.entries())["tcp"] == \
+        table.register_transport("tcp", "somewhere.else", "Other")
+    assert dict((n, (m, c)) for n, m, c in table.entries())["tcp"] == \
         ("mooncake_plugins.transfer.transports.tcp", "TcpTransport")
 
 

@@ -8,7 +8,7 @@ class declares:
 - ``supports(peer)``: whether it reaches that peer at all (shm and cuda_ipc: same host
   and a verified pid; tcp: everyone);
 - ``memory_kinds``: the kinds of memory it moves, on either side of a slice
-  (:data:`HOST`, :data:`CUDA`); ``moves(local_kind, remote_kind)`` refines the pairs;
+  (``segment.HOST``, ``segment.CUDA``); ``moves(local_kind, remote_kind)`` refines the pairs;
 - ``priority``: its rank among the transports that qualify, highest first
   (:data:`PRIORITY_CUDA_IPC` > :data:`PRIORITY_SHM` > :data:`PRIORITY_RDMA` >
   :data:`PRIORITY_TCP`); a slice failing on one is retried on the next.
@@ -24,8 +24,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from ...config import PURE_PYTHON
-
 from ..peer import Peer
+from ..segment import HOST
 
 if TYPE_CHECKING:
     from ...config import EngineConfig
@@ -35,10 +35,6 @@ log = logging.getLogger(__name__)
 OP_READ = 1
 OP_WRITE = 2
 
-HOST = "host"
-"""Memory the CPU addresses directly (registered with location ``*``, ``cpu`` or ``cpu:N``)."""
-CUDA = "cuda"
-"""GPU memory (registered with location ``cuda`` or ``cuda:N``)."""
 HOST_KINDS = (HOST, HOST)
 """``(local kind, remote kind)`` of a slice between two host buffers."""
 
@@ -46,19 +42,6 @@ PRIORITY_CUDA_IPC = 40
 PRIORITY_SHM = 30
 PRIORITY_RDMA = 20
 PRIORITY_TCP = 10
-
-
-def kind_of_location(location: str | None) -> str:
-    """The memory kind of a region from its registered ``location``: ``cuda:N`` (or
-    ``cuda``) is :data:`CUDA`; ``*``, ``cpu``, ``cpu:N``, empty or missing are :data:`HOST`."""
-    if location and location[:4] == "cuda" and location[4:5] in ("", ":"):
-        return CUDA
-    return HOST
-
-
-def device_of(location: str) -> int:
-    """The CUDA device ordinal of a ``cuda:N`` (or ``cuda``: 0) location."""
-    return int(location[5:]) if location[4:5] == ":" else 0
 
 
 def use_default(use: Callable[[bool], None], what: str) -> None:

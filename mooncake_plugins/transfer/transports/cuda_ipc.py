@@ -34,9 +34,10 @@ from typing import Any
 from ...errors import AddressError, MooncakeError, TransferError, TransportUnavailable
 from .. import cuda
 from ..peer import Peer
-from ..segment import RegionInfo
-from .base import CUDA, HOST, OP_WRITE, PRIORITY_CUDA_IPC, Transport, kind_of_location
-from .shm import _LOCAL_LOCK, _LOCAL_TABLES, ShmTransport
+from ..same_host import local_table
+from ..segment import CUDA, HOST, RegionInfo, kind_of_location
+from .base import OP_WRITE, PRIORITY_CUDA_IPC, Transport
+from .shm import ShmTransport
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +204,7 @@ class CudaIpcTransport(Transport):
     def _copy_in_process(self, desc: Any, slices: list[tuple[int, int, int, int, int]]) -> None:
         """Copy to an engine of this process directly (one address space), holding its
         regions like its tcp server does."""
-        with _LOCAL_LOCK:
-            table = _LOCAL_TABLES.get(desc.port)
+        table = local_table(desc.port)
         if table is None:
             raise TransferError(f"segment {desc.name!r} in this process is closed")
         held = table.acquire_many([(s[3], s[4]) for s in slices], remote=True, device=True)

@@ -46,7 +46,8 @@ from ...errors import (AddressError, InvalidArgument, TransferError, TransferTim
                        TransportUnavailable)
 from .. import nic_topology, verbs
 from ..peer import Peer
-from .base import CUDA, HOST, OP_WRITE, PRIORITY_RDMA, Transport, kind_of_location
+from ..segment import CUDA, HOST, kind_of_location
+from .base import OP_WRITE, PRIORITY_RDMA, Transport
 
 if TYPE_CHECKING:
     from ...config import EngineConfig

@@ -7,10 +7,11 @@ A target in this very process is reached through its live region table, holding 
 target's regions (its in-flight count) during the copy, as its tcp server would.
 
 Bounds are checked against the target's published descriptor. The target bumps an epoch
-counter in a small shared memfd page on every (un)registration, before it releases any
-memory. A copy reads that epoch before and after (a seqlock): a changed epoch means the
-regions changed meanwhile, and the copy is repeated against the fresh descriptor unless
-every memfd it touched is still the same file (its inode). So a copy reported done landed
+counter in a small shared memfd page (its epoch page, ``same_host.py``) on every
+(un)registration, before it releases any memory. A copy reads that epoch before and after
+(a seqlock): a changed epoch means the regions changed meanwhile, and the copy is
+repeated against the fresh descriptor unless every memfd it touched is still the same
+file (its inode). So a copy reported done landed
 in memory that was registered when it finished: a buffer freed and reallocated at the same
 address and fd number is never written through the old mapping. The window that remains
 is for process_vm regions only: memory unregistered during the copy may have been written
@@ -32,12 +33,12 @@ from typing import Any, Callable
 from ...errors import AddressError, MooncakeError, TransferError
 from .. import memory
 from ..peer import Peer
-from ..segment import RegionInfo, RegionTable
+from ..same_host import EPOCH, MEMFD_PREFIX, local_table
+from ..segment import HOST, RegionInfo
 from ..topology import host_id
-from .base import HOST, OP_WRITE, PRIORITY_SHM, Transport, use_default
+from .base import OP_WRITE, PRIORITY_SHM, Transport, use_default
 
 log = logging.getLogger(__name__)
-EPOCH = struct.Struct("<Q")
 
 
 class _PyShm:
@@ -77,10 +78,6 @@ class _PyShm:
         for local, remote, nbytes in copies:
             self.vm_copy(pid, local, remote, nbytes, write)
 
-    @staticmethod
-    def memfd_create(name: str) -> int:
-        return os.memfd_create(name, os.MFD_CLOEXEC)
-
 
 class _Impl:
     """The copy functions in use: ``_native.shm``'s or ``_PyShm``'s, rebound by :func:`use`."""
@@ -99,7 +96,6 @@ def use(native: bool) -> None:
     else:
         src = _PyShm()
     impl.vm_copy, impl.vm_copy_many = src.vm_copy, src.vm_copy_many
-    impl.memfd_create = src.memfd_create
     IMPLEMENTATION = "native" if native else "python"
 
 
@@ -168,10 +164,6 @@ def _populate(address: int, nbytes: int, write: bool) -> None:
     global _populate_works
     if _populate_works and memory.populate(address, nbytes, write) == errno.EINVAL:
         _populate_works = False
-
-
-MEMFD_PREFIX = "/memfd:mooncake-"
-"""What an engine's memfds (buffers and the epoch page) are called in /proc/<pid>/fd."""
 
 
 _SOCK_DIAG_BY_FAMILY = 20
@@ -274,19 +266,6 @@ def _inode(pid: int, fd: int) -> int | None:
         return os.stat(f"/proc/{pid}/fd/{fd}").st_ino
     except OSError:
         return None
-
-
-_LOCAL_TABLES: dict[int, RegionTable] = {}
-_LOCAL_LOCK = threading.Lock()
-
-
-def publish_local(port: int, table: RegionTable | None) -> None:
-    """Make an engine of this process reachable by same-process copies (None: withdraw)."""
-    with _LOCAL_LOCK:
-        if table is None:
-            _LOCAL_TABLES.pop(port, None)
-        else:
-            _LOCAL_TABLES[port] = table
 
 
 class ShmTransport(Transport):
@@ -445,8 +424,7 @@ class ShmTransport(Transport):
     @staticmethod
     def _copy_in_process(desc: Any, slices: list[tuple[int, int, int, int, int]]) -> None:
         """Copy to an engine of this process, holding its regions like its tcp server does."""
-        with _LOCAL_LOCK:
-            table = _LOCAL_TABLES.get(desc.port)
+        table = local_table(desc.port)
         if table is None:
             raise TransferError(f"segment {desc.name!r} in this process is closed")
         held = table.acquire_many([(s[3], s[4]) for s in slices], remote=True)

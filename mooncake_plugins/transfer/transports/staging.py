@@ -30,7 +30,8 @@ from typing import Any, Callable
 from ...errors import AddressError, MooncakeError, TransferError
 from .. import cuda
 from ..peer import Peer
-from .base import CUDA, HOST, OP_WRITE, Transport
+from ..segment import CUDA, HOST
+from .base import OP_WRITE, Transport
 
 HALF_NBYTES = 4 << 20
 """Bytes of slices moved per group (each half of a worker's bounce buffer)."""

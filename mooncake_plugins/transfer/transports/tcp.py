@@ -1,13 +1,10 @@
-"""The tcp transport: an rpc server exposing registered memory, and pooled client connections.
+"""The tcp transport: pooled client connections to peers' rpc ports, and the byte loops.
 
-The byte loops are ``_native.tcp`` (GIL released, gathered sendmsg, recv straight into
+The peer's side is its engine's rpc port (``transfer/rpc_server.py``), which every engine
+serves whatever its transports. The byte loops (:data:`io`), shared by both ends and by the
+store RPC, are ``_native.tcp`` (GIL released, gathered sendmsg, recv straight into
 registered memory); ``MOONCAKE_PUREPYTHON=1`` or a missing build selects the socket-module
 fallback below, which keeps the same function names.
-
-Server thread model: one accept thread, one thread per connection, which answers the
-frames of its connection in order. Every frame is validated (protocol.py) and every
-address checked against the RegionTable before use; a malformed frame closes that
-connection with a logged error, never the process.
 
 Initiator: the slices of one ``execute_many`` are pipelined on one pooled connection
 (several requests sent before the oldest reply is read, :data:`PIPELINE_DEPTH` and
@@ -34,14 +31,12 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ...config import spin_us
-from ...errors import AddressError, MooncakeError, ProtocolError, TransferError, from_code
+from ...errors import MooncakeError, ProtocolError, TransferError, from_code
 from .. import memory, protocol
-from ..listener import (DEFAULT_FRAME_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ConnectionServer,
-                        idle_waiter, set_deadline)
+from ..listener import set_deadline
 from ..peer import Peer
-from ..segment import RegionTable
-from .base import CUDA, HOST, OP_WRITE, PRIORITY_TCP, Transport, device_of, use_default
-from .staging import ServerStaging
+from ..segment import CUDA, HOST
+from .base import OP_WRITE, PRIORITY_TCP, Transport, use_default
 
 if TYPE_CHECKING:
     from ...config import EngineConfig
@@ -168,128 +163,12 @@ def use(native: bool) -> None:
 use_default(use, "tcp")
 
 
-def _tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket) -> None:
+    """TCP_NODELAY and keepalive probes, for either end of a connection to an rpc port."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for opt, val in ((socket.TCP_KEEPIDLE, 5), (socket.TCP_KEEPINTVL, 2), (socket.TCP_KEEPCNT, 3)):
         sock.setsockopt(socket.IPPROTO_TCP, opt, val)
-
-
-class TcpServer(ConnectionServer):
-    """The engine's rpc port: serves READ/WRITE of registered memory and control commands.
-
-    Args:
-        host, port: where to listen (port 0 picks a free one; see ``.port``).
-        regions: the local RegionTable every request is checked against.
-        on_control: called with a validated control message, returns the reply bytes.
-        max_connections, frame_timeout_s: see :class:`ConnectionServer`; a WRITE that
-            stalls mid-payload lets go of its region after ``frame_timeout_s``.
-    """
-
-    def __init__(self, host: str, port: int, regions: RegionTable,
-                 on_control: Callable[[dict], bytes], *,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S) -> None:
-        super().__init__(host, port, "mc-tcp", max_connections=max_connections,
-                         frame_timeout_s=frame_timeout_s)
-        self._regions = regions
-        self._on_control = on_control
-        self._spin_us = spin_us()
-        self.bytes_in = 0   # written to us by peers; updated under _count_lock
-        self.bytes_out = 0  # read from us by peers
-        self._count_lock = threading.Lock()
-        self.start()
-
-    def _setup(self, conn: socket.socket) -> None:
-        _tune(conn)
-        set_deadline(conn, self.frame_timeout_s)
-
-    def _serve(self, conn: socket.socket, addr: Any) -> None:
-        fd = conn.fileno()
-        wait_idle = idle_waiter(fd)
-        last_nbytes = 0
-        staging: ServerStaging | None = None  # made on the first request on GPU memory
-        try:
-            while True:
-                # after a small frame the initiator's next one usually follows at once;
-                # after a large one, spinning would only take the CPU from the copies
-                if not (self._spin_us and last_nbytes <= SPIN_MAX_NBYTES
-                        and io.spin_until_readable(fd, self._spin_us)):
-                    wait_idle()
-                req = protocol.decode_request(io.recv_exact(fd, protocol.REQUEST.size))
-                last_nbytes = req.nbytes
-                if req.op == protocol.OP_CONTROL:
-                    msg = protocol.decode_control(io.recv_exact(fd, req.aux_len))
-                    try:
-                        reply = self._on_control(msg)
-                    except MooncakeError as exc:  # refused (e.g. a full notify queue)
-                        self._reply(fd, req.req_id, exc.code, str(exc).encode())
-                        continue
-                    self._reply(fd, req.req_id, 0, reply)
-                    continue
-                writing = req.op == protocol.OP_WRITE
-                try:
-                    region = self._regions.acquire(req.address, req.nbytes, remote=True,
-                                                   device=True)
-                except AddressError as exc:
-                    log.warning("refused %s from %s: %s", "WRITE" if writing else "READ", addr, exc)
-                    if writing:
-                        io.discard(fd, req.nbytes)
-                    self._reply(fd, req.req_id, exc.code, str(exc).encode())
-                    continue
-                try:
-                    if writing and region.readonly:
-                        log.warning("refused WRITE from %s: 0x%x is registered read-only", addr,
-                                    region.address)
-                        io.discard(fd, req.nbytes)
-                        status, body = AddressError.code, b"region is registered read-only"
-                    elif writing:
-                        if region.device:  # GPU memory: through pinned memory
-                            staging = staging or ServerStaging()
-                            staging.receive(io.recv_into_address, fd, req.address, req.nbytes,
-                                            device_of(region.info.location))
-                        else:
-                            io.recv_into_address(fd, req.address, req.nbytes)
-                        with self._count_lock:
-                            self.bytes_in += req.nbytes
-                        status, body = 0, b""
-                    else:
-                        header = protocol.encode_response(0, req.req_id, req.nbytes)
-                        if region.device:
-                            staging = staging or ServerStaging()
-                            staging.send(io.send_frame, fd, header, req.address, req.nbytes,
-                                         device_of(region.info.location))
-                        else:
-                            io.send_frame(fd, header, req.address, req.nbytes)
-                        with self._count_lock:
-                            self.bytes_out += req.nbytes
-                        continue
-                finally:
-                    self._regions.release(region)
-                self._reply(fd, req.req_id, status, body)  # after the release: see RegionTable.remove
-        except ProtocolError as exc:
-            log.error("closing connection from %s: malformed frame: %s", addr, exc)
-        except TimeoutError:
-            log.warning("closing connection from %s: a frame made no progress for %.1f s",
-                        addr, self.frame_timeout_s)
-        except ConnectionError as exc:
-            log.debug("connection from %s ended: %s", addr, exc)
-        except OSError as exc:
-            if not self.closed:
-                log.warning("connection from %s failed: %s", addr, exc)
-        except Exception:  # never let one connection take the process down
-            log.exception("closing connection from %s after an unexpected error", addr)
-        finally:
-            if staging is not None:
-                try:
-                    staging.close()
-                except Exception:  # a CUDA error at teardown: the buffers go with the process
-                    log.exception("freeing the GPU staging buffers of %s failed", addr)
-
-    @staticmethod
-    def _reply(fd: int, req_id: int, status: int, body: bytes) -> None:
-        body = body[:protocol.MAX_ERROR_NBYTES] if status else body
-        io.send_frame(fd, protocol.encode_response(status, req_id, len(body)) + body, 0, 0)
 
 
 class PathDown(TransferError):
@@ -339,7 +218,7 @@ class _Pool:
                 self._count -= 1
                 self._cond.notify()
             raise PathDown(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
-        _tune(sock)
+        tune(sock)
         set_deadline(sock, self._io_timeout_s)
         return sock
 
