@@ -23,14 +23,14 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ..config import EngineConfig, apply_protocol
-from ..errors import (BufferTooSmall, ClientNotFound, InvalidArgument, InvalidParams, LeaseExpired,
-                      MooncakeError, NotSupported, ObjectNotFound, RpcFailed, RpcTimeout,
-                      SegmentAlreadyExists, StoreError, StoreTransferFailed,
+from ..errors import (BufferTooSmall, ClientNotFound, InvalidArgument, InvalidKey, InvalidParams,
+                      LeaseExpired, MooncakeError, NotSupported, ObjectNotFound, RpcFailed,
+                      RpcTimeout, SegmentAlreadyExists, StoreError, StoreTransferFailed,
                       UnavailableInCurrentStatus, store_error)
 from ..transfer import OpCode, TransferEngine, cuda, memory
 from ..transfer.topology import host_id
 from . import offload
-from .master import MAX_SLOT_NBYTES
+from .master import MAX_SLOT_NBYTES, check_key
 from .rpc import RpcClient, split_address
 
 log = logging.getLogger(__name__)
@@ -176,6 +176,15 @@ SMALL_PUT_NBYTES = 64 << 10
 """A put whose values come to at most this many bytes copies them into a registered
 scratch buffer instead of registering each value (5 us for a registration and its removal,
 0.14 us to copy 4 KiB, measured here)."""
+
+
+def _valid_key(key: object) -> bool:
+    """Whether the master accepts ``key`` (:func:`master.check_key`)."""
+    try:
+        check_key(key)
+    except InvalidKey:
+        return False
+    return True
 
 
 def _small_values(values: Sequence[Any]) -> list[memoryview] | None:
@@ -734,13 +743,18 @@ class StoreClient(DerivedForms):
         """Put small objects of one size with one master round trip: write into slots the
         master reserved for this client, then ``put_reserved`` (which also refills them).
         None where this does not apply: mixed or large sizes, preferred segments, a size
-        seen for the first time, no slots to be had. Keys whose slot was refused (expired,
-        or its segment gone) or whose write failed go through :meth:`_put_started`."""
+        seen for the first time, no slots to be had, an invalid key. Keys whose slot was
+        refused (expired, or its segment gone) or whose write failed go through
+        :meth:`_put_started`."""
         nbytes, n = sizes[0], len(keys)
         # one replica: a slot of several can lose one with a segment while its client
-        # goes on writing into the others, whose space the master then hands out again
+        # goes on writing into the others, whose space the master then hands out again.
+        # An invalid key: put_start refuses it before placing anything, whereas asking
+        # for slots places them first, evicting other objects when the pool is full, for
+        # a put that cannot succeed
         if (config.preferred_segments or not 0 < nbytes <= MAX_SLOT_NBYTES
-                or config.replica_num != 1 or any(z != nbytes for z in sizes)):
+                or config.replica_num != 1 or any(z != nbytes for z in sizes)
+                or not all(map(_valid_key, keys))):
             return None
         cls = (nbytes, config.replica_num)
         if n > _slot_target(*cls):

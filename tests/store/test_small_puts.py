@@ -9,6 +9,9 @@ import os
 import threading
 import time
 
+import pytest
+
+from mooncake_plugins.errors import InvalidKey
 from mooncake_plugins.store import client as client_module
 from mooncake_plugins.store.client import SMALL_PUT_NBYTES, ReplicateConfig, StoreClient
 
@@ -88,6 +91,29 @@ def test_a_size_put_again_takes_one_master_round_trip(master, monkeypatch):
             c.upsert("odd", b"x" * 4096, ReplicateConfig(preferred_segments=[c.segment_name]))
             assert [m for m in methods if m != "heartbeat"][-2:] == ["put_start", "put_end"]
         assert reader.get("odd") == b"x" * 4096
+
+
+def test_a_put_with_an_invalid_key_reserves_nothing_and_evicts_nothing(master, monkeypatch):
+    # A pool filled to just under the eviction watermark: asking for slots would evict
+    # (the model test saw objects vanish after such a put, with no put of it succeeding)
+    with StoreClient(master.address, global_segment_size=1 << 20) as c:
+        big = {f"big{i}": bytes([i]) * 66_000 for i in range(15)}   # no slot size
+        assert c.batch_put(list(big), list(big.values())) == [None] * 15
+        st = master.service.stats()
+        assert st["used_bytes"] > 0.94 * st["capacity_bytes"] and st["evicted"] == 0
+        methods = _count_calls(c, monkeypatch)
+        for _ in range(3):   # a size put again takes slots: not for a key that is refused
+            with pytest.raises(InvalidKey):
+                c.put("k" * 5000, b"x" * 1000)
+            errors = c.batch_put(["", "k" * 4097], [b"y" * 1000] * 2)
+            assert [type(e) for e in errors] == [InvalidKey] * 2
+        assert "reserve" not in methods and "put_reserved" not in methods
+        st = master.service.stats()
+        assert st["evicted"] == 0 and st["reserved_slots"] == 0, st
+        assert master.service.exist_many(list(big), lease=False) == [True] * 15
+        c.put("fine", b"z" * 1000)
+        c.put("fine2", b"z" * 1000)     # a valid key of that size still takes a slot
+        assert "put_reserved" in methods
 
 
 def test_slots_are_left_alone_when_the_master_has_not_answered_lately(master, monkeypatch):

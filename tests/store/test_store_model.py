@@ -12,9 +12,10 @@ Invariants: a read returns exactly the model's bytes, or ObjectNotFound only whe
 may have been evicted (an eviction ran since it was last seen, and it was neither
 soft-pinned, with ``allow_evict_soft_pinned_objects`` off, nor surely under a read lease);
 removed keys are never found; a lease blocks remove; every refused operation raises the
-documented typed exception; after the holder dies (and the master noticed), every object
-that had a replica wholly on living segments reads back the same bytes, and the others are
-gone; at the end, with every object removed, no segment space stays allocated.
+documented typed exception and evicts nothing; after the holder dies (and the master
+noticed), every object that had a replica wholly on living segments reads back the same
+bytes, and the others are gone; at the end, with every object removed, no segment space
+stays allocated.
 
 ``MOONCAKE_SOAK=1`` runs many more and longer sequences (``MOONCAKE_SOAK_EXAMPLES``, 300 by
 default, per implementation).
@@ -450,8 +451,12 @@ class StoreMachine(RuleBasedStateMachine):
                             lambda: client.put("a/0", b"x", ReplicateConfig(replica_num=0))),
         }
         expected, call = calls[case]
+        evicted = self._stats()["evicted"]
         with pytest.raises(expected):
             call()
+        # nor does it touch the store: a put refused for its key once asked for slots of
+        # its size first, evicting objects (that the model then took as lost)
+        assert self._stats()["evicted"] == evicted, f"refused {case!r} evicted objects"
 
     @precondition(lambda self: self.kill_allowed and self.cluster.holder is not None
                   and self.puts_since_kill >= 3)
