@@ -178,6 +178,19 @@ def _no_leaked_processes(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail(f"{request.node.nodeid} left child processes running: {sorted(leaked())}")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``MOONCAKE_PUREPYTHON=1`` (CI's second pass, on the Python fallbacks), leave out
+    the tests that take the ``impl`` fixture: they run on both paths in every session."""
+    if os.environ.get("MOONCAKE_PUREPYTHON") != "1":
+        return
+    keep, both = [], []
+    for item in items:
+        (both if "impl" in getattr(item, "fixturenames", ()) else keep).append(item)
+    if both:
+        config.hook.pytest_deselected(items=both)
+        items[:] = keep
+
+
 @pytest.fixture(params=implementation.NAMES)
 def impl(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run the test on the native data path and on the pure-Python one, in this session.

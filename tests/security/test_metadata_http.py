@@ -23,6 +23,11 @@ from mooncake_plugins.cli.metadata_server import _parse_args
 from mooncake_plugins.transfer.metadata import MetadataServer
 from mooncake_plugins.transfer.metadata.http import ENTRY_OVERHEAD_NBYTES
 
+# This module checks the metadata server's HTTP. CI's MOONCAKE_PUREPYTHON=1 pass leaves it
+# out (-m 'not control_plane'): the Python fallbacks would carry only its RPC frames, which
+# that pass's data-path modules and tests/security/test_master_rpc.py cover.
+pytestmark = pytest.mark.control_plane
+
 LOG = "mooncake_plugins.transfer.metadata.http"
 VALUE_NBYTES = 16 << 10
 ROOM = 4 * (VALUE_NBYTES + ENTRY_OVERHEAD_NBYTES + 2)  # exactly four 2-byte keys of 16 KiB

@@ -17,6 +17,11 @@ from rawnet import closed_by_peer, connect, exchange
 from mooncake_plugins.store.master import MasterConfig, MasterService
 from mooncake_plugins.store.metrics import MetricsServer, serve_metrics
 
+# This module checks the master's metrics and admin HTTP. CI's MOONCAKE_PUREPYTHON=1 pass
+# leaves it out (-m 'not control_plane'): the Python fallbacks would carry only its RPC
+# frames, which that pass's data-path modules and tests/security/test_master_rpc.py cover.
+pytestmark = pytest.mark.control_plane
+
 LOG = "mooncake_plugins.store.metrics"
 
 

@@ -25,6 +25,12 @@ from mooncake_plugins.store.journal import FileJournal, Journal
 from mooncake_plugins.store.master import MasterConfig, MasterService, PutConfig
 from mooncake_plugins.store.server import MasterServer, ServerOptions
 
+# This module checks the master's journal, restarts and HA failover. CI's
+# MOONCAKE_PUREPYTHON=1 pass leaves it out (-m 'not control_plane'): the Python fallbacks
+# would carry only its RPC frames, which that pass's data-path modules and
+# tests/security/test_master_rpc.py cover.
+pytestmark = pytest.mark.control_plane
+
 MASTER = [sys.executable, "-m", "mooncake_plugins.cli.master"]
 ROUNDS = 5
 RECOVERY_TIMEOUT_S = 40.0

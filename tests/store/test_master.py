@@ -8,6 +8,11 @@ from mooncake_plugins.errors import (ClientNotFound, InvalidKey, InvalidParams, 
 from mooncake_plugins.store.allocation import OffsetAllocator
 from mooncake_plugins.store.master import MasterConfig, MasterService, PutConfig
 
+# This module checks the master's metadata service. CI's MOONCAKE_PUREPYTHON=1 pass leaves
+# it out (-m 'not control_plane'): the Python fallbacks would carry only its RPC frames,
+# which that pass's data-path modules and tests/security/test_master_rpc.py cover.
+pytestmark = pytest.mark.control_plane
+
 MiB = 1 << 20
 
 

@@ -16,6 +16,11 @@ from mooncake_plugins.errors import ObjectNotFound, RpcFailed
 from mooncake_plugins.store.client import StoreClient
 from mooncake_plugins.store.rpc import LENGTH, RpcClient
 
+# This module checks the master's server: RPC, reaper, metrics. CI's MOONCAKE_PUREPYTHON=1
+# pass leaves it out (-m 'not control_plane'): the Python fallbacks would carry only its RPC
+# frames, which that pass's data-path modules and tests/security/test_master_rpc.py cover.
+pytestmark = pytest.mark.control_plane
+
 
 def raw(port, data):
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
