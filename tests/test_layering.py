@@ -2,7 +2,7 @@
 core, never the other way round. Every import in the core (``mooncake_plugins/`` less
 ``compat/``) and in ``compat/`` (``structured/`` included), including those inside functions
 and ``importlib.import_module("...")`` calls, is checked. Nor do modules of
-``mooncake_plugins/`` import each other round a circle (see ``KNOWN_CYCLES`` below)."""
+``mooncake_plugins/`` import each other round a circle."""
 
 from __future__ import annotations
 
@@ -132,16 +132,6 @@ def test_compat_checker(source: str, flagged: bool) -> None:
 
 
 # -- no import circles -----------------------------------------------------------------------
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (  # circles tolerated for now, as their modules
-    # TO BE REMOVED (STYLE.md section 7): store/client.py takes MAX_SLOT_NBYTES from
-    # master.py, whose tasks.py takes StoreClient back (for its annotations; client.py's
-    # run_task import goes round it too); master.py -> repair.py -> tasks.py is another
-    # way round through that same import. The test fails once this circle is gone or
-    # changes, so that this entry goes with it.
-    frozenset({"store/client.py", "store/master.py", "store/repair.py", "store/tasks.py"}),
-)
-
-
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
             or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
@@ -287,8 +277,7 @@ def describe(graph: dict[str, dict[str, int]], group: frozenset[str]) -> list[st
 
 def test_no_import_circles() -> None:
     """No group of modules of mooncake_plugins/ imports each other round a circle (a
-    strongly connected group of the import graph), but for ``KNOWN_CYCLES``, each of which
-    must still be one exactly.
+    strongly connected group of the import graph).
 
     Every import counts: at module level, inside functions (one that dodges a circle at
     load time is still the circle), ``importlib.import_module("...")`` with a literal name,
@@ -304,14 +293,10 @@ def test_no_import_circles() -> None:
                for path in sorted(PACKAGE.rglob("*.py"))}
     assert len(sources) > 50, f"only {len(sources)} modules found under {PACKAGE}"
     graph = import_graph(sources)
-    found = circles(graph)
-    new = [f"{' '.join(sorted(group))}:\n  " + "\n  ".join(describe(graph, group))
-           for group in found if group not in KNOWN_CYCLES]
-    gone = [" ".join(sorted(group)) for group in KNOWN_CYCLES if group not in found]
-    assert not new, ("import circles (move what both sides need into a module below both, "
-                     "as errors.py does for exceptions):\n" + "\n".join(new))
-    assert not gone, ("these KNOWN_CYCLES are no longer circles as listed: remove or update "
-                      "their entries:\n" + "\n".join(gone))
+    found = [f"{' '.join(sorted(group))}:\n  " + "\n  ".join(describe(graph, group))
+             for group in circles(graph)]
+    assert not found, ("import circles (move what both sides need into a module below both, "
+                       "as errors.py does for exceptions):\n" + "\n".join(found))
 
 
 @pytest.mark.parametrize("sources, expected", [

@@ -30,8 +30,9 @@ from ..errors import (BufferTooSmall, ClientNotFound, InvalidArgument, InvalidKe
 from ..transfer import OpCode, TransferEngine, cuda, memory
 from ..transfer.topology import host_id
 from . import offload
-from .master import MAX_SLOT_NBYTES, check_key
+from .limits import MAX_SLOT_NBYTES, check_key
 from .rpc import RpcClient, split_address
+from .tasks import run_task
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ scratch buffer instead of registering each value (5 us for a registration and it
 
 
 def _valid_key(key: object) -> bool:
-    """Whether the master accepts ``key`` (:func:`master.check_key`)."""
+    """Whether the master accepts ``key`` (:func:`limits.check_key`)."""
     try:
         check_key(key)
     except InvalidKey:
@@ -551,8 +552,6 @@ class StoreClient(DerivedForms):
                 log.exception("heartbeat to %s failed", rpc.address)
 
     def _start_tasks(self, tasks: list[dict]) -> None:
-        from .tasks import run_task
-
         with self._task_lock:
             if self._closed:
                 log.info("closing: %d copy/move tasks left to time out on the master", len(tasks))

@@ -44,6 +44,7 @@ from ..errors import (ClientNotFound, InvalidKey, InvalidParams, JobNotFound, No
                       UnavailableInCurrentStatus, store_error)
 from .allocation import STRATEGIES, MountedSegment, align, order_segments
 from .journal import OBJECT, SEGMENT, Journal, State
+from .limits import MAX_OBJECT_NBYTES, MAX_SLOT_NBYTES, check_key
 from .offload import relative_name
 from .repair import RepairQueue
 from .tasks import (COPY, FAILED, JOB_CANCELED, JOB_FAILED, JOB_SUCCEEDED, MOVE, SUCCESS, DrainJob,
@@ -51,11 +52,7 @@ from .tasks import (COPY, FAILED, JOB_CANCELED, JOB_FAILED, JOB_SUCCEEDED, MOVE,
 
 log = logging.getLogger(__name__)
 
-MAX_KEY_NBYTES = 4096
 MAX_LISTED_KEYS = 1000
-MAX_OBJECT_NBYTES = 1 << 40
-MAX_SLOT_NBYTES = 64 << 10
-"""The largest object a reserved slot holds (the one-round-trip put is for small ones)."""
 MAX_SLOTS_PER_CALL = 64
 MAX_CLIENT_SLOT_NBYTES = 4 << 20
 SLOT_SHARE = 16
@@ -226,12 +223,6 @@ class ClientInfo:
 
 
 _GONE = ClientInfo("", "", 0.0, confirmed=False)
-
-
-def check_key(key: object) -> str:
-    if not isinstance(key, str) or not key or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_NBYTES:
-        raise InvalidKey(f"keys are non-empty str of at most {MAX_KEY_NBYTES} bytes, got {key!r:.80}")
-    return key
 
 
 def _check_slot_request(nbytes: object, replica_num: object, count: object) -> None:

@@ -19,12 +19,9 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 from ..errors import InvalidParams, MooncakeError, TaskLimitExceeded, TaskNotFound
-
-if TYPE_CHECKING:
-    from .client import StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +158,19 @@ class TaskQueue:
             return len(self._open)
 
 
-def run_task(client: StoreClient, task: dict) -> None:
+class TaskRunner(Protocol):
+    """What :func:`run_task` needs of the client that runs a task (``StoreClient``,
+    which imports this module, so it is not imported here)."""
+
+    client_id: str
+
+    def copy_replicas(self, key: str, source: str, targets: Sequence[str],
+                      move: bool = False) -> None: ...
+
+    def call_master(self, method: str, **args: Any) -> Any: ...
+
+
+def run_task(client: TaskRunner, task: dict) -> None:
     """Run one task handed to ``client`` and report its outcome to the master."""
     ok, message = True, ""
     try:
