@@ -35,7 +35,7 @@ import msgpack
 from ..config import DEFAULT_TRANSPORTS, EngineConfig
 from ..errors import (AddressError, InvalidArgument, MetadataError, MooncakeError, RegionBusy,
                       SegmentNotFound, TransferError, TransferTimeout, TransportUnavailable)
-from . import cuda, memory
+from . import cuda, memory, protocol
 from .batch import Batch, OpCode, TransferRequest, validate_range, validate_request
 from .metadata import MetadataStore, from_url
 from .peer import Peer
@@ -499,12 +499,28 @@ class TransferEngine:
                                      f"taken (take_notifies); refusing more")
                 self._notifies.append((msg["name"], msg["msg"]))
             return b""
+        if cmd == "drop_connection":
+            return self._drop_connection(msg)
         for t in getattr(self, "_transports", ()):
             if cmd in t.control_commands:
                 return t.serve_control(msg)
         if cmd != "ping":
             raise TransferError(f"this segment has no transport serving {cmd!r}")
         return b"pong"
+
+    def _drop_connection(self, msg: dict) -> bytes:
+        """A peer gave up on one of its connections to our rpc port with WRITEs on it
+        unanswered, and retries them: end that connection (on whichever of our addresses
+        it came in) before answering, so nothing it still carries lands after the retry.
+        ``gone``: there was none (it ended already, or is dropped when accepted)."""
+        src, dst = protocol.parse_endpoint(msg["src"]), protocol.parse_endpoint(msg["dst"])
+        found = False
+        for server in getattr(self, "_servers", ()):
+            try:
+                found = server.drop(src, dst, server.frame_timeout_s) or found
+            except TimeoutError as exc:
+                raise TransferError(str(exc)) from None
+        return b"dropped" if found else b"gone"
 
     def notify(self, segment: str, name: str, msg: str) -> None:
         """Deliver a (name, msg) notification to ``segment`` (read there with ``take_notifies``)."""

@@ -7,6 +7,11 @@ What a peer can hold: at most ``max_connections`` connections (more are closed a
 they are accepted, with a warning); a connection may idle between frames for as long as
 it likes (initiators pool them), but once a frame has started, every socket read or write
 must make progress within ``frame_timeout_s`` or the connection is closed.
+
+A connection its client gave up on is not dead by itself: the client's kernel may still
+deliver what it had queued (resent when a link comes back), and this side, inside that
+frame, would still act on it. :meth:`ConnectionServer.drop` ends one, named by its two
+ends, and returns once its thread is done with it (see ``TcpTransport``'s use of it).
 """
 
 from __future__ import annotations
@@ -26,6 +31,20 @@ DEFAULT_MAX_CONNECTIONS = 4096
 DEFAULT_FRAME_TIMEOUT_S = 30.0
 _TRANSIENT_ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _ACCEPT_BACKOFF_S = 0.1
+DROPPED_MEMORY_S = 120.0
+"""How long a drop that found no such connection keeps closing one that turns up (it may
+be in the accept queue still), the way TIME_WAIT outlives a connection."""
+DROPPED_MAX = 4096
+"""Dropped-before-accept connections remembered at most (the oldest are forgotten)."""
+
+Route = tuple[str, int, str, int]  # client host, client port, server host, server port
+
+
+def route_of(client: Any, server: Any) -> Route | None:
+    """The two ends of an inet connection as a key, or None (not inet)."""
+    if not (isinstance(client, tuple) and isinstance(server, tuple)):
+        return None
+    return (client[0], client[1], server[0], server[1])
 
 
 def set_deadline(sock: socket.socket, timeout_s: float) -> None:
@@ -67,7 +86,10 @@ class ConnectionServer:
         self._name = name
         self.max_connections = max_connections
         self.frame_timeout_s = frame_timeout_s
-        self._conns: set[socket.socket] = set()
+        # each connection served: its route and an event set once its thread let go of it
+        self._conns: dict[socket.socket, tuple[Route | None, threading.Event]] = {}
+        self._routes: dict[Route, socket.socket] = {}
+        self._dropped: dict[Route, float] = {}   # dropped before they were accepted: until
         self._lock = threading.Lock()
         self.closed = False
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept-{self.port}",
@@ -100,13 +122,26 @@ class ConnectionServer:
                     continue
                 log.error("%s port %d stops accepting: %s", self._name, self.port, exc)
                 return
+            try:
+                route = route_of(addr, conn.getsockname())
+            except OSError:  # already reset by the client
+                conn.close()
+                continue
             with self._lock:
                 if self.closed:
                     conn.close()
                     return
+                dropped = route in self._dropped and self._dropped[route] > time.monotonic()
                 full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns.add(conn)
+                if not (full or dropped):
+                    self._conns[conn] = (route, threading.Event())
+                    if route is not None:
+                        self._routes[route] = conn
+            if dropped:
+                log.info("%s port %d closed a connection from %s unread: its client had "
+                         "dropped it", self._name, self.port, addr)
+                conn.close()
+                continue
             if full:
                 log.warning("%s port %d refused a connection from %s: %d connections are open "
                             "(the limit)", self._name, self.port, addr, self.max_connections)
@@ -120,17 +155,57 @@ class ConnectionServer:
             except (OSError, RuntimeError) as exc:  # RuntimeError: no thread can be started
                 log.error("%s port %d dropped the connection from %s: %s", self._name, self.port,
                           addr, exc)
-                with self._lock:
-                    self._conns.discard(conn)
-                conn.close()
+                self._forget(conn).set()
 
     def _run(self, conn: socket.socket, addr: Any) -> None:
         try:
             self._serve(conn, addr)
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+            self._forget(conn).set()
+
+    def _forget(self, conn: socket.socket) -> threading.Event:
+        """Close a connection whose thread is done (or never ran); its event, to set."""
+        with self._lock:
+            route, done = self._conns.pop(conn)
+            if route is not None and self._routes.get(route) is conn:
+                del self._routes[route]
+        conn.close()
+        return done
+
+    def drop(self, client: tuple, server: tuple, timeout_s: float) -> bool:
+        """End the connection from ``client`` to ``server`` (``(host, port)`` each, as the
+        client saw them) and wait until its thread let go of it: from then on nothing it
+        carries is acted on (what it sends later is refused by the kernel with a reset).
+
+        Returns True when it was being served, False when there was none; then one that
+        turns up within :data:`DROPPED_MEMORY_S` (still in the accept queue) is closed
+        unread when accepted.
+
+        Raises:
+            TimeoutError: its thread did not let go within ``timeout_s``.
+        """
+        route = route_of(tuple(client), tuple(server))
+        with self._lock:
+            conn = self._routes.get(route)
+            if conn is None:
+                now = time.monotonic()
+                for old in [r for r, until in self._dropped.items() if until <= now]:
+                    del self._dropped[old]
+                while len(self._dropped) >= DROPPED_MAX:
+                    del self._dropped[next(iter(self._dropped))]
+                self._dropped[route] = now + DROPPED_MEMORY_S
+                return False
+            done = self._conns[conn][1]
+            try:  # wakes its thread in recv/send/poll; the socket stays open until it ends
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"the connection from {client[0]}:{client[1]} was shut down but "
+                               f"its thread did not end within {timeout_s:.1f} s")
+        log.info("%s port %d dropped the connection from %s:%s at its client's request",
+                 self._name, self.port, client[0], client[1])
+        return True
 
     def close(self) -> None:
         """Stop accepting, shut every connection down and wait for the accept thread."""

@@ -39,6 +39,7 @@ CONTROL_COMMANDS = {
     "ping": {},
     "notify": {"name": str, "msg": str},
     "rdma_connect": {"segment": str, "qps": list},
+    "drop_connection": {"src": str, "dst": str},
 }
 MAX_CONNECT_QPS = 64
 """Queue pairs one ``rdma_connect`` may ask for."""
@@ -154,9 +155,30 @@ def decode_control(payload: bytes) -> dict[str, Any]:
             raise ProtocolError(f"control command {msg['cmd']!r} needs {key}: {typ.__name__}")
     if msg["cmd"] == "rdma_connect":
         _check_qps(msg["qps"])
+    elif msg["cmd"] == "drop_connection":
+        parse_endpoint(msg["src"])
+        parse_endpoint(msg["dst"])
     elif any(isinstance(v, list) for v in msg.values()):
         raise ProtocolError(f"control command {msg['cmd']!r} takes no lists")
     return msg
+
+
+def format_endpoint(end: tuple) -> str:
+    """``(host, port)`` as ``drop_connection`` carries it: ``host:port``."""
+    return f"{end[0]}:{end[1]}"
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``host:port`` (the host an IP address, v4 or v6) back to ``(host, port)``."""
+    host, _, port = text.rpartition(":")
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        raise ProtocolError(f"bad endpoint {text[:80]!r} (want ip:port)") from None
+    if not 0 < number < 65536 or not port.isdigit():
+        raise ProtocolError(f"bad endpoint {text[:80]!r} (port out of range)")
+    return host, number
 
 
 def _check_qps(qps: list) -> None:

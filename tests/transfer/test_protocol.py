@@ -55,3 +55,16 @@ def test_control_messages():
     for payload in bad:
         with pytest.raises(ProtocolError):
             p.decode_control(payload)
+
+
+def test_drop_connection_names_two_ip_endpoints():
+    msg = p.decode_control(p.encode_control("drop_connection", src="10.0.0.1:40000",
+                                            dst="::1:1234"))
+    assert (p.parse_endpoint(msg["src"]), p.parse_endpoint(msg["dst"])) == \
+        (("10.0.0.1", 40000), ("::1", 1234))
+    assert p.format_endpoint(("10.0.0.1", 40000)) == "10.0.0.1:40000"
+    for bad in ["10.0.0.1", "host:80", "10.0.0.1:0", "10.0.0.1:65536", "10.0.0.1:+80", ":80"]:
+        with pytest.raises(ProtocolError):
+            p.decode_control(p.encode_control("drop_connection", src=bad, dst="10.0.0.2:80"))
+    with pytest.raises(ProtocolError):
+        p.decode_control(p.encode_control("drop_connection", src="10.0.0.1:80"))

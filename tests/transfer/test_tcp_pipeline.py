@@ -78,7 +78,11 @@ class FakePeer:
         conn.settimeout(10)
         try:
             script(conn)
-            if conn.recv(1) == b"":  # the initiator closed (or pooled and later closed) it
+            try:  # the initiator closed (or pooled and later closed) it
+                closed = conn.recv(1) == b""
+            except ConnectionResetError:  # it reset one it gave up on
+                closed = True
+            if closed:
                 self.eof.set()
         except BaseException as exc:  # reported by the test
             self.error = exc
@@ -211,6 +215,38 @@ def test_malformed_reply_discards_the_connection(transport):
         transport.close()
         peer.close()
     assert peer.error is None
+
+
+def test_a_connection_given_up_on_is_reset_and_sends_nothing_more():
+    """A WRITE whose send deadline passes (the peer stopped reading) fails its connection,
+    which is reset: the part of the payload our kernel still held is discarded, never
+    sent once the peer reads again (test_late_bytes.py: what that could overwrite)."""
+    n = p.MAX_SLICE_NBYTES   # more than both socket buffers hold
+    src = Pinned(n)
+    gave_up = threading.Event()
+    got = []
+
+    def script(conn: socket.socket) -> None:
+        p.decode_request(recv_exact(conn, p.REQUEST.size))
+        assert gave_up.wait(30)
+        try:
+            while chunk := conn.recv(1 << 20):
+                got.append(len(chunk))
+            got.append("end of stream")
+        except ConnectionResetError:
+            got.append("reset")
+
+    peer = FakePeer(script)
+    transport = tcp.TcpTransport(1, connect_timeout_s=5, transfer_timeout_s=1)
+    try:
+        with pytest.raises(TransferError, match="deadline"):
+            transport.pipeline("127.0.0.1", peer.port, [(OP_WRITE, src.address, 0x10000, n)])
+        gave_up.set()
+        assert peer.eof.wait(10)
+    finally:
+        transport.close()
+        peer.close()
+    assert peer.error is None and got[-1] == "reset" and sum(got[:-1]) < n, got[-3:]
 
 
 @pytest.mark.parametrize("op", [OP_WRITE, OP_READ], ids=["write", "read"])

@@ -17,6 +17,15 @@ delivered so far, so one transfer's slices spread over every path in proportion 
 each delivers. A path whose connection fails is paused for ``path_pause_s``: the failed
 slices go to the other paths (the engine retries them), and the path is tried again when
 the pause ends.
+
+A failed connection with WRITEs unanswered is not dead by itself: our kernel still holds
+the unsent part of the payload and resends it when the link is back (seconds later), and
+the peer, still inside that frame, copies it into the region, after the retry of those
+slices and even after a newer WRITE of the same bytes. So such a connection is aborted
+here (a reset; the queued bytes are discarded), and before anything more moves to that
+peer, on any path, the peer confirms with ``drop_connection`` that it ended its side (its
+thread let go of it; what arrives later is refused). Until one of its addresses confirms,
+transfers to that peer fail (see :meth:`TcpTransport._drop_failed`).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import itertools
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -175,6 +185,10 @@ class PathDown(TransferError):
     """The connection to one address of a peer failed (connect, send, receive)."""
 
 
+_ABORT = struct.pack("ii", 1, 0)
+"""SO_LINGER on, 0 s: close() resets the connection and discards what is unsent."""
+
+
 class _Path:
     """One address of a peer's rpc port, as this client has seen it perform."""
 
@@ -198,6 +212,7 @@ class _Pool:
         self._connect_timeout_s = connect_timeout_s
         self._io_timeout_s = io_timeout_s
         self._idle: list[socket.socket] = []
+        self._ends: dict[socket.socket, tuple[str, str]] = {}  # (ours, theirs), as connected
         self._count = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -218,16 +233,36 @@ class _Pool:
                 self._count -= 1
                 self._cond.notify()
             raise PathDown(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
-        tune(sock)
-        set_deadline(sock, self._io_timeout_s)
+        try:
+            tune(sock)
+            set_deadline(sock, self._io_timeout_s)
+            ends = (protocol.format_endpoint(sock.getsockname()),
+                    protocol.format_endpoint(sock.getpeername()))
+        except OSError as exc:
+            self.put(sock, False)
+            raise PathDown(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+        with self._cond:
+            self._ends[sock] = ends
         return sock
 
+    def ends(self, sock: socket.socket) -> tuple[str, str] | None:
+        """``(our end, the peer's end)`` of a connection of this pool, ``host:port`` each."""
+        with self._cond:
+            return self._ends.get(sock)
+
     def put(self, sock: socket.socket, healthy: bool) -> None:
+        """Give a connection back; one that is not ``healthy`` is reset and closed."""
         with self._cond:
             if healthy and not self._closed:
                 self._idle.append(sock)
             else:
                 self._count -= 1
+                self._ends.pop(sock, None)
+                if not healthy:
+                    try:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT)
+                    except OSError:
+                        pass
                 sock.close()
             self._cond.notify()
 
@@ -235,6 +270,7 @@ class _Pool:
         with self._cond:
             self._closed = True
             for s in self._idle:
+                self._ends.pop(s, None)
                 s.close()
             self._count -= len(self._idle)
             self._idle.clear()
@@ -266,6 +302,12 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._spin_us = spin_us()
+        # per peer (its first route): failed connections with WRITEs unanswered, (ours,
+        # theirs), that it has not yet confirmed ended, and when to ask again after a
+        # round that no address answered (_drop_failed); one round at a time
+        self._failed: dict[tuple[str, int], set[tuple[str, str]]] = {}
+        self._drop_again: dict[tuple[str, int], float] = {}
+        self._drop_lock = threading.Lock()
 
     def supports(self, peer: Peer) -> bool:
         return True
@@ -294,14 +336,21 @@ class TcpTransport(Transport):
 
     def _over_paths(self, peer: Peer, items: list[tuple[int, int, int, int]]) -> None:
         """Pipeline ``items`` to the peer: on its one address, or on the path of its
-        several that would finish them first (see the module docstring)."""
+        several that would finish them first (see the module docstring); never while a
+        failed connection to it may still deliver a WRITE (:meth:`_drop_failed`)."""
         desc = peer.descriptor
+        routes = [(desc.host, desc.port)] + [(a, desc.port) for a in desc.paths]
+        if self._failed.get(routes[0]):
+            self._drop_failed(peer, routes)
         if not desc.paths:
-            self.pipeline(desc.host, desc.port, items)
+            try:
+                self.pipeline(desc.host, desc.port, items)
+            except (PathDown, ProtocolError) as exc:
+                self._after_failure(peer, routes, exc)
+                raise
             return
         nbytes = sum(item[3] for item in items)
-        path = self._choose([(desc.host, desc.port)] + [(a, desc.port) for a in desc.paths],
-                            nbytes)
+        path = self._choose(routes, nbytes)
         t0 = time.perf_counter()
         done = False
         try:
@@ -309,9 +358,73 @@ class TcpTransport(Transport):
             done = True
         except (PathDown, ProtocolError) as exc:
             self._pause(path, peer.name, exc)
+            self._after_failure(peer, routes, exc)
             raise
         finally:
             self._finished(path, nbytes, time.perf_counter() - t0, done)
+
+    def _after_failure(self, peer: Peer, routes: list[tuple[str, int]],
+                       exc: MooncakeError) -> None:
+        """A pipeline failed: if WRITEs were unanswered on its connection, have the peer
+        drop it now, before the engine retries them (left to the next transfer if no
+        address of the peer answers)."""
+        ends = getattr(exc, "unanswered_writes", None)
+        if not ends:
+            return
+        with self._lock:
+            self._failed.setdefault(routes[0], set()).add(ends)
+        try:
+            self._drop_failed(peer, routes)
+        except MooncakeError:
+            pass  # logged; the retries try again first
+
+    def _drop_failed(self, peer: Peer, routes: list[tuple[str, int]]) -> None:
+        """Have the peer end each failed connection of ours that had WRITEs unanswered
+        (``drop_connection``, over any of its addresses, those not paused first) and
+        forget those it confirmed. After a round that no address answered, the next is
+        not tried before ``path_pause_s`` (the retries of a slice fail at once, as they
+        would on a paused path).
+
+        Raises:
+            PathDown: no address confirmed one of them; nothing may move to this peer
+            until one does, or what that connection still carries could land after it.
+        """
+        key = routes[0]
+        with self._drop_lock:
+            now = time.monotonic()
+            with self._lock:
+                failed = sorted(self._failed.get(key, ()))
+                order = sorted(routes, key=lambda r: r in self._paths
+                               and self._paths[r].paused_until > now)
+            again = self._drop_again.get(key, 0.0)
+            if failed and now < again:
+                raise PathDown(f"segment {peer.name!r} has not confirmed that it ended "
+                               f"{len(failed)} failed connection(s) whose WRITEs could still "
+                               f"land; asking again in {again - now:.1f} s")
+            for ours, theirs in failed:
+                errors = []
+                for host, port in order:
+                    try:
+                        self.control(host, port, "drop_connection", src=ours, dst=theirs)
+                        break
+                    except MooncakeError as exc:
+                        errors.append(f"{host}:{port}: {exc}")
+                else:
+                    self._drop_again[key] = time.monotonic() + self._path_pause_s
+                    log.warning("segment %s has not confirmed that it ended our failed "
+                                "connection %s -> %s: nothing moves to it until it does (%s)",
+                                peer.name, ours, theirs, "; ".join(errors))
+                    raise PathDown(f"segment {peer.name!r} has not confirmed that it ended "
+                                   f"the failed connection {ours} -> {theirs}, whose WRITEs "
+                                   f"could still land: {'; '.join(errors)}")
+                with self._lock:
+                    left = self._failed.get(key, set())
+                    left.discard((ours, theirs))
+                    if not left:
+                        self._failed.pop(key, None)
+                self._drop_again.pop(key, None)
+                log.info("segment %s ended our failed connection %s -> %s", peer.name, ours,
+                         theirs)
 
     def _choose(self, routes: list[tuple[str, int]], nbytes: int) -> _Path:
         now = time.monotonic()
@@ -368,7 +481,12 @@ class TcpTransport(Transport):
             healthy = True
             return result
         except OSError as exc:
-            raise PathDown(f"{what} with {host}:{port} failed: {exc!r}") from exc
+            err = PathDown(f"{what} with {host}:{port} failed: {exc!r}")
+            err.ends = pool.ends(sock)  # type: ignore[attr-defined]
+            raise err from exc
+        except ProtocolError as exc:
+            exc.ends = pool.ends(sock)  # type: ignore[attr-defined]
+            raise
         finally:
             pool.put(sock, healthy)
 
@@ -384,16 +502,21 @@ class TcpTransport(Transport):
 
         Raises:
             The first refused item's error after every item ran (AddressError, ...), or
-            TransferError/ProtocolError at once when the connection failed (it is closed,
+            TransferError/ProtocolError at once when the connection failed (it is reset,
             never pooled half-read). Either way the exception's ``completed`` is the set
-            of positions in ``items`` that moved, so a caller retries only the others.
+            of positions in ``items`` that moved, so a caller retries only the others;
+            ``unanswered_writes`` is the connection's ``(our end, the peer's end)`` when
+            a WRITE on it was (partly) sent and not answered, else None: the peer may
+            still write those bytes until it drops the connection.
         """
         completed: list[int] = []
+        writes_out = 0
         refused: list[tuple[int, bytes]] = []
         spin = self._spin_us
         ids = self._ids
 
         def body(fd: int, rid: int) -> tuple[int, bytes]:
+            nonlocal writes_out
             pending: collections.deque[tuple[int, int, int, int, int]] = collections.deque()
             reads_out = 0
             sent = 0
@@ -406,6 +529,7 @@ class TcpTransport(Transport):
                     if op == OP_WRITE:
                         if reads_out:
                             break  # a READ's payload may be on its way to us: drain first
+                        writes_out += 1
                         io.send_frame(fd, protocol.encode_request(protocol.OP_WRITE, rid,
                                                                   remote, n), local, n)
                     else:
@@ -429,7 +553,9 @@ class TcpTransport(Transport):
                     if not writing:
                         io.recv_into_address(fd, local, n)
                     completed.append(pos)
-                if not writing:
+                if writing:
+                    writes_out -= 1
+                else:
                     reads_out -= 1
             return 0, b""
 
@@ -441,6 +567,8 @@ class TcpTransport(Transport):
                                         f"{text.decode('utf-8', 'replace')}")
         except MooncakeError as exc:
             exc.completed = frozenset(completed)  # type: ignore[attr-defined]
+            exc.unanswered_writes = (getattr(exc, "ends", None)  # type: ignore[attr-defined]
+                                     if writes_out else None)
             raise
 
     def control(self, host: str, port: int, cmd: str, **fields: Any) -> bytes:
