@@ -14,15 +14,15 @@ from helpers import LineChild, wait_until
 
 from mooncake_plugins.transfer.metadata import MetadataServer, from_url
 
-TTL_S = 4   # renewed every TTL_S / 3: a live engine keeps it unless stalled for seconds
-ENGINE = f"""
-import json, sys
-import mooncake_plugins.transfer.engine as engine
-
 # This module checks metadata descriptors of crashed engines. CI's MOONCAKE_PUREPYTHON=1
 # pass leaves it out (-m 'not control_plane'): the Python fallbacks would carry only its RPC
 # frames, which that pass's data-path modules and tests/security/test_master_rpc.py cover.
 pytestmark = pytest.mark.control_plane
+
+TTL_S = 4   # renewed every TTL_S / 3: a live engine keeps it unless stalled for seconds
+ENGINE = f"""
+import json, sys
+import mooncake_plugins.transfer.engine as engine
 engine.DESCRIPTOR_TTL_S = {TTL_S}
 eng = engine.TransferEngine("127.0.0.1", sys.argv[1])
 print("READY " + json.dumps({{"segment": eng.segment_name}}), flush=True)
