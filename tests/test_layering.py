@@ -34,6 +34,17 @@ def _resolve(module: str | None, level: int, package: list[str]) -> str:
     return ".".join(base + ([module] if module else []))
 
 
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The module an ``import_module("...")`` or ``__import__("...")`` call names, if any."""
+    if (isinstance(node, ast.Call) and node.args
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+            and (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+                 or isinstance(node.func, ast.Name) and node.func.id in ("import_module",
+                                                                         "__import__"))):
+        return node.args[0].value
+    return None
+
+
 def imports(source: str, relpath: str) -> Iterator[tuple[int, str]]:
     """``(line, absolute module name)`` of every import in ``source`` (a file at
     ``relpath`` under mooncake_plugins/); ``from a import b`` gives ``a`` and ``a.b``."""
@@ -47,12 +58,7 @@ def imports(source: str, relpath: str) -> Iterator[tuple[int, str]]:
             yield node.lineno, base
             for alias in node.names:
                 yield node.lineno, f"{base}.{alias.name}"
-        elif (isinstance(node, ast.Call) and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-              and (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
-                   or isinstance(node.func, ast.Name) and node.func.id in ("import_module",
-                                                                           "__import__"))):
-            name = node.args[0].value
+        elif (name := _dynamic_import(node)) is not None:
             level = len(name) - len(name.lstrip("."))
             yield node.lineno, _resolve(name[level:] or None, level, package)
 
@@ -169,12 +175,7 @@ def module_imports(source: str, relpath: str, modules: dict[str, str], *,
             base = _resolve(node.module, node.level, package)
             names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
                      for alias in node.names]
-        elif (isinstance(node, ast.Call) and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-              and (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
-                   or isinstance(node.func, ast.Name) and node.func.id in ("import_module",
-                                                                           "__import__"))):
-            name = node.args[0].value
+        elif (name := _dynamic_import(node)) is not None:
             level = len(name) - len(name.lstrip("."))
             names = [_resolve(name[level:] or None, level, package)]
         for name in names:
