@@ -173,16 +173,23 @@ def test_leader_restarted_on_its_own_address_loses_nothing(candidates, nodes) ->
     print(f"\nleader restarted on its address (recovery s, objects acknowledged): {report}")
 
 
-@pytest.mark.slow
-def test_master_restart_under_load_loses_no_acknowledged_object(tmp_path, nodes) -> None:
+def _journaled_master(tmp_path, nodes,
+                      segment: int) -> tuple[list[str], subprocess.Popen, StoreClient]:
+    """A master with ``--metadata_dir`` (its command, to restart it, and its process), two
+    holders lending ``segment`` bytes each, and a client of it."""
     port = free_port()
     cmd = MASTER + ["--rpc_port", str(port), "--metrics_port", "0",
                     "--metadata_dir", str(tmp_path / "meta")]
     proc, _ = spawn_ready(cmd, timeout_s=30)
     address = f"127.0.0.1:{port}"
     for _ in range(2):
-        nodes(address, "--segment", str(64 << 20))
-    client = StoreClient(address, global_segment_size=0, rpc_timeout_s=5)
+        nodes(address, "--segment", str(segment))
+    return cmd, proc, StoreClient(address, global_segment_size=0, rpc_timeout_s=5)
+
+
+@pytest.mark.slow
+def test_master_restart_under_load_loses_no_acknowledged_object(tmp_path, nodes) -> None:
+    cmd, proc, client = _journaled_master(tmp_path, nodes, 64 << 20)
     report = []
     try:
         with Load(client) as load:
@@ -240,14 +247,7 @@ def test_a_new_leader_takes_puts_as_soon_as_gets(candidates, nodes) -> None:
 def test_a_restarted_master_takes_puts_as_soon_as_gets(tmp_path, nodes) -> None:
     """kill -9 and restart of a single master with --metadata_dir: the holders' segments it
     recovered take new data before their holders' next heartbeat."""
-    port = free_port()
-    cmd = MASTER + ["--rpc_port", str(port), "--metrics_port", "0",
-                    "--metadata_dir", str(tmp_path / "meta")]
-    proc, _ = spawn_ready(cmd, timeout_s=30)
-    address = f"127.0.0.1:{port}"
-    for _ in range(2):
-        nodes(address, "--segment", str(16 << 20))
-    client = StoreClient(address, global_segment_size=0, rpc_timeout_s=5)
+    cmd, proc, client = _journaled_master(tmp_path, nodes, 16 << 20)
     try:
         client.put("obj-0", value(0))
         for i in range(1, 6):
