@@ -232,7 +232,12 @@ class TestDefaultPair:
         """Eight long answers asked of engine 0 directly (four run, four wait:
         --max-num-seqs 4) show in its vLLM gauges; the routers, which sent
         none of them, read them as external load, and both load_balance and the conductor
-        send the next request to engine 1 (with equal loads engine 0 would win the tie)."""
+        send the next request to engine 1 (with equal loads engine 0 would win the tie).
+
+        The routers decide once they have read all eight: the conductor prices an
+        external running request by the engine's mean finished output, and on this shared
+        engine the tests before left 2-token answers, so four running alone would look
+        about to end (a fair guess from what the engine says)."""
         # an engine this busy on two cores answers /health and /metrics in seconds at times
         slow = ["--health-timeout", "10"]
         urls = pair.urls
@@ -252,7 +257,7 @@ class TestDefaultPair:
                 "model": tiny_llama, "prompt": prompt_tokens(64, 60 + i), "max_tokens": 1900,
                 "ignore_eos": True, "temperature": 0.0}) for i in range(8)]
             for i, r in enumerate((router, conductor)):
-                assert wait_until(lambda: external(r) >= 4, 30, 0.05), \
+                assert wait_until(lambda: external(r) == 8, 30, 0.05), \
                     (r, time.monotonic() - t0, sum(f.done() for f in busy),
                      http(f"{r}/instances"), [line for line in http(f"{urls[0]}/metrics")
                                               .splitlines() if "num_requests" in line])
@@ -260,7 +265,9 @@ class TestDefaultPair:
                 _ask(r, tiny_llama, prompt_tokens(64, 70 + i))
                 # (vLLM counts a request served a moment after it answered)
                 assert wait_until(lambda: served(urls[1]) == before + 1, 10, 0.05), \
-                    (r, "sent it to the busy engine", http(f"{r}/instances"))
+                    (r, "load_balance" if r == router else "conductor",
+                     "sent it to the busy engine", before, served(urls[1]),
+                     http(f"{r}/instances"))
             assert all(len(f.result()["choices"]) == 1 for f in busy)
         # once those ended, the engine is idle again in the routers' view
         assert wait_until(lambda: external(router) == 0 == external(conductor), 30, 0.1)
