@@ -8,6 +8,7 @@ when ``MOONCAKE_CI=1``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -163,6 +164,44 @@ def metadata_server() -> Iterator[MetadataServer]:
     """An embedded HTTP metadata server on a free loopback port (``.url``, ``.port``)."""
     with MetadataServer() as server:
         yield server
+
+
+_XDIST_DIR = os.path.join(tempfile.gettempdir(),
+                          f"mooncake-xdist-{os.environ.get('PYTEST_XDIST_TESTRUNUID', '')}")
+
+
+@pytest.fixture(autouse=True)
+def _exclusive_under_xdist(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under pytest-xdist (the README's command runs several workers), a test marked
+    ``exclusive`` (it fits or compares measured times) runs while no other test does; the
+    others share the machine. A reader-writer lock over the workers (flock): an exclusive
+    test raises a flag that holds new tests back, then waits for the running ones to end."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    import fcntl
+
+    os.makedirs(_XDIST_DIR, exist_ok=True)
+    flag = os.path.join(_XDIST_DIR, "exclusive-waiting")
+    lock = os.open(os.path.join(_XDIST_DIR, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    writers = None
+    try:
+        if request.node.get_closest_marker("exclusive") is not None:
+            writers = os.open(os.path.join(_XDIST_DIR, "writers"), os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(writers, fcntl.LOCK_EX)          # one exclusive test at a time
+            open(flag, "w").close()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        else:
+            while os.path.exists(flag):
+                threading.Event().wait(0.05)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        yield
+    finally:
+        if writers is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(flag)
+            os.close(writers)
+        os.close(lock)                                    # releases the flock
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,9 @@ from mooncake_plugins.conductor.costmodel import CostModel
 from mooncake_plugins.conductor.router.calibrate import (_least_squares, fit_misses,
                                                          fit_nonnegative)
 
+# the calibrations fit times measured on stand-in engines that sleep their modelled times
+pytestmark = pytest.mark.exclusive
+
 
 @contextlib.contextmanager
 def _serving(*engines) -> Iterator[list[str]]:

@@ -62,7 +62,8 @@ def test_blocks_whose_parent_is_unknown_or_of_another_size_are_ignored(caplog):
     batch({"type": "Nope"}), batch({"type": "BlockRemoved"}),
     batch(stored([1, 2], None, TOKENS[:5])), batch(stored([1], None, ["a"] * 4)),
     batch(stored([1], None, TOKENS[:4], size=0)),
-], ids=str)
+], ids=["not-msgpack", "a-map", "no-events", "unknown-type", "removed-without-hashes",
+        "two-hashes-five-tokens", "tokens-not-ints", "block-size-0"])
 def test_malformed_batches_are_refused(payload):
     with pytest.raises(KvEventError):
         decode_batch(payload)

@@ -26,6 +26,9 @@ from mooncake_plugins.conductor.router.pd_handoff import PD_KEYS  # noqa: E402
 from mooncake_plugins.conductor.router.server import Router, RouterConfig  # noqa: E402
 from openai_double import OpenAIDouble  # noqa: E402
 
+# the router learns speeds from stand-in engines that sleep their modelled times
+pytestmark = pytest.mark.exclusive
+
 PREFIX = "You are a helpful assistant. " * 40   # about 300 tokens, 19 blocks of 16
 
 

@@ -19,7 +19,7 @@ from mooncake_plugins.store.server import MasterServer, ServerOptions
 # This module checks clients following a new leader. CI's MOONCAKE_PUREPYTHON=1 pass leaves
 # it out (-m 'not control_plane'): the Python fallbacks would carry only its RPC frames,
 # which that pass's data-path modules and tests/security/test_master_rpc.py cover.
-pytestmark = pytest.mark.control_plane
+pytestmark = [pytest.mark.control_plane, pytest.mark.exclusive]
 
 LONG_FAILOVER_S = 15.0
 SHORT_FAILOVER_S = 4.0

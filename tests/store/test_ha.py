@@ -36,7 +36,7 @@ from mooncake_plugins.store.ha import (
 # This module checks leader election through etcd. CI's MOONCAKE_PUREPYTHON=1 pass leaves it
 # out (-m 'not control_plane'): the Python fallbacks would carry only its RPC frames, which
 # that pass's data-path modules and tests/security/test_master_rpc.py cover.
-pytestmark = pytest.mark.control_plane
+pytestmark = [pytest.mark.control_plane, pytest.mark.exclusive]
 
 CANDIDATE = str(Path(__file__).with_name("ha_candidate.py"))
 # A leader steps down after 2/3 of this without a lease refresh: 2 s, so a loaded machine's

@@ -17,7 +17,7 @@ import pytest
 from helpers import skip_or_fail, wait_until
 from links import Links, usable
 
-pytestmark = [pytest.mark.netns, pytest.mark.root]
+pytestmark = [pytest.mark.netns, pytest.mark.root, pytest.mark.exclusive]
 
 MIB = 1 << 20
 RATE_MBIT = 200                       # each link: 25 MB/s

@@ -35,7 +35,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -250,6 +252,9 @@ def main() -> int:
     ap.add_argument("-k", dest="only", default="", help="comma-separated name substrings")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each file's output")
     ap.add_argument("--json", default="", help="write the results here")
+    ap.add_argument("-j", "--jobs", type=int, default=1,
+                    help="files run at once, each in its own namespace and its own copy of "
+                         "the tests (default 1)")
     ap.add_argument("--known-failing", default="",
                     help="file of 'name: reason' lines; those files may fail without failing "
                          "the run (CI uses tests/upstream/known_failing.txt)")
@@ -275,19 +280,41 @@ def main() -> int:
         print(f"upstream tests: -k {a.only!r} names none of: "
               f"{', '.join(s.name for s in SPECS)}", file=sys.stderr)
         return 2
-    staged = stage(src)
-    try:
-        return _run_all(a, wanted, staged)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
+    if a.jobs < 1:
+        print(f"upstream tests: --jobs must be at least 1, not {a.jobs}", file=sys.stderr)
+        return 2
+    return _run_all(a, wanted, src)
 
 
 def _run_all(a: argparse.Namespace, wanted: list[Spec], src: Path) -> int:
-    """Each spec in a network namespace of its own; the table, then the exit status."""
-    results = []
-    for spec in wanted:
-        logdir = Path(tempfile.mkdtemp(prefix=f"mooncake-upstream-{spec.name}-"))
-        inner = [sys.executable, __file__, "--inner", spec.name, "--src", str(src),
+    """Each spec in a network namespace of its own, ``a.jobs`` at a time; the table (a
+    line per file as it ends), then the exit status."""
+    with ThreadPoolExecutor(a.jobs) as pool:
+        results = list(pool.map(lambda spec: _run_one(a, spec, src), wanted))
+    known = _known_failing(a.known_failing)
+    passed = [r["name"] for r in results if r["status"] != "failed"]
+    failed = [r["name"] for r in results if r["status"] == "failed"]
+    print(f"\n{len(passed)} of {len(results)} upstream test files passed")
+    for name in failed:
+        print(f"  failed: {name}" + (f" (known: {known[name]})" if name in known else ""))
+    for name in passed:
+        if name in known:
+            print(f"  {name} passes now: remove it from {a.known_failing}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"python": a.python, "results": results}, indent=1))
+    return 1 if any(name not in known for name in failed) else 0
+
+
+_print_lock = threading.Lock()
+
+
+def _run_one(a: argparse.Namespace, spec: Spec, src: Path) -> dict:
+    """One spec in a network namespace of its own, on a copy of the tests of its own
+    (they write beside themselves); its result line, and its output where it failed."""
+    staged = stage(src)
+    logdir = Path(tempfile.mkdtemp(prefix=f"mooncake-upstream-{spec.name}-"))
+    try:
+        inner = [sys.executable, __file__, "--inner", spec.name, "--src", str(staged),
                  "--python", a.python, "--logdir", str(logdir)]
         # loopback, plus a veth pair with a private address (both ends inside): the
         # original's engine wants one non-loopback address; nothing leaves the namespace.
@@ -304,27 +331,19 @@ def _run_all(a: argparse.Namespace, wanted: list[Spec], src: Path) -> int:
         seconds = time.monotonic() - start
         output = proc.stdout.decode(errors="replace")
         status = summarize(proc.returncode, output)
-        results.append({"name": spec.name, "file": spec.path, "status": status,
-                        "rc": proc.returncode, "seconds": round(seconds, 1)})
-        print(f"{spec.name:38} {status:22} {seconds:7.1f} s", flush=True)
+        shown = ""
         if a.verbose or proc.returncode != 0:
             shown = output[-(8000 if a.verbose else 3000):]
             for log in sorted(logdir.glob("*.log")) if proc.returncode != 0 else []:
                 shown += f"\n--- {log.name} (tail) ---\n" + log.read_text(errors="replace")[-800:]
-            print("    " + shown.replace("\n", "\n    "), flush=True)
+            shown = "    " + shown.replace("\n", "\n    ") + "\n"
+        with _print_lock:
+            print(f"{spec.name:38} {status:22} {seconds:7.1f} s\n{shown}", end="", flush=True)
+        return {"name": spec.name, "file": spec.path, "status": status,
+                "rc": proc.returncode, "seconds": round(seconds, 1)}
+    finally:
         shutil.rmtree(logdir, ignore_errors=True)
-    known = _known_failing(a.known_failing)
-    passed = [r["name"] for r in results if r["status"] != "failed"]
-    failed = [r["name"] for r in results if r["status"] == "failed"]
-    print(f"\n{len(passed)} of {len(results)} upstream test files passed")
-    for name in failed:
-        print(f"  failed: {name}" + (f" (known: {known[name]})" if name in known else ""))
-    for name in passed:
-        if name in known:
-            print(f"  {name} passes now: remove it from {a.known_failing}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"python": a.python, "results": results}, indent=1))
-    return 1 if any(name not in known for name in failed) else 0
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 def _known_failing(path: str) -> dict[str, str]:
