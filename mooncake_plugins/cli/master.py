@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from .. import __version__
 from ..errors import InvalidParams, MooncakeError
+from ..store.kv_events import KvEventConfig
 from ..store.master import MasterConfig
 from ..store.server import MasterServer, ServerOptions
 from ._args import ArgumentParser, install_hint, os_reason, port
@@ -51,11 +52,10 @@ _INERT_GROUPS = {
     "(--replicate_metadata=false turns it off), in group commits of their own":
         "bool:enable_oplog int:oplog_batch_max_entries int:oplog_poll_interval_ms "
         "int:batch_oplog_retry_timeout_sec",
-    "no KV event publisher here":
-        "bool:enable_kv_events str:kv_events_additional_salt str:kv_events_backend_id "
-        "str:kv_events_bind_endpoint int:kv_events_block_size int:kv_events_dp_rank "
-        "bool:kv_events_emit_legacy_compat bool:kv_events_emit_object_key str:kv_events_lora_name "
-        "str:kv_events_model_name int:kv_events_queue_capacity str:kv_events_tenant_id",
+    "deprecated in the original too: KV events carry no model fields (a subscriber's "
+    "registration supplies them)":
+        "str:kv_events_additional_salt int:kv_events_block_size int:kv_events_dp_rank "
+        "str:kv_events_lora_name str:kv_events_model_name str:kv_events_tenant_id",
     "no NVMe-oF tier here":
         "float:nof_eviction_high_watermark_ratio float:nof_eviction_ratio "
         "int:nof_heartbeat_failures_threshold int:nof_heartbeat_interval_sec "
@@ -204,6 +204,22 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     flag("metrics_port", type=port, default=9003, help="metrics/admin HTTP port (0: a free one)")
     flag("enable_metric_reporting", **b, default=True,
          help="log a stats line every 10 s, when the counters changed")
+    flag("enable_kv_events", **b, default=False,
+         help="publish the pool's KV events (stored/removed, the original's format) on ZMQ PUB")
+    flag("kv_events_bind_endpoint", default="", help="ZMQ PUB address, e.g. tcp://0.0.0.0:5557")
+    flag("kv_events_backend_id", default="",
+         help="names this pool in every event (default: --rpc_address:--rpc_port)")
+    flag("kv_events_emit_legacy_compat", **b, default=True,
+         help="also write vLLM's names (type BlockStored/BlockRemoved, block_hashes)")
+    flag("kv_events_emit_object_key", **b, default=True,
+         help="events carry the object key (else keys that are not block hashes are skipped)")
+    flag("kv_events_queue_capacity", type=_within(int, lambda v: v >= 1, "a count >= 1"),
+         default=65536, help="events waiting to be sent; when full the oldest is dropped")
+    flag("kv_events_replay_endpoint", default="",
+         help="ours: ZMQ ROUTER address answering replay requests as vLLM's publisher does "
+         "(the last --kv_events_replay_batches batches)")
+    flag("kv_events_replay_batches", type=_within(int, lambda v: v >= 1, "a count >= 1"),
+         default=10000, help="ours: batches kept for replay")
     flag("pending_task_timeout_sec", type=float, default=300.0, help="0: no timeout")
     flag("processing_task_timeout_sec", type=float, default=300.0, help="0: no timeout")
     flag("max_total_pending_tasks", type=int, default=10000)
@@ -382,6 +398,19 @@ def _start_error(server: MasterServer, options: ServerOptions, exc: BaseExceptio
     return f"cannot start: {exc}"
 
 
+def _kv_events(args: argparse.Namespace) -> KvEventConfig | None:
+    if not args.enable_kv_events:
+        return None
+    return KvEventConfig(
+        bind_endpoint=args.kv_events_bind_endpoint,
+        backend_id=args.kv_events_backend_id,
+        emit_legacy_compat=args.kv_events_emit_legacy_compat,
+        emit_object_key=args.kv_events_emit_object_key,
+        queue_capacity=args.kv_events_queue_capacity,
+        replay_endpoint=args.kv_events_replay_endpoint,
+        replay_batches=args.kv_events_replay_batches)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.version:
@@ -399,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.enable_ha and args.metadata_dir:
         print("--metadata_dir is for a single master; with --enable_ha the metadata is "
               "replicated through etcd (--replicate_metadata)", file=sys.stderr)
+        return 2
+    if args.enable_kv_events and not args.kv_events_bind_endpoint:
+        print("--enable_kv_events needs --kv_events_bind_endpoint (e.g. tcp://0.0.0.0:5557)",
+              file=sys.stderr)
         return 2
     if args.enable_offload and not args.root_fs_dir:
         print("--enable_offload needs --root_fs_dir (the directory of the SSD tier's files)",
@@ -438,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         http_metadata_host=args.http_metadata_server_host,
         enable_ha=args.enable_ha, etcd_endpoints=etcd, cluster_id=args.cluster_id,
         replicate_metadata=args.replicate_metadata, metadata_dir=args.metadata_dir,
-        metadata_fsync=args.metadata_fsync)
+        metadata_fsync=args.metadata_fsync, kv_events=_kv_events(args))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

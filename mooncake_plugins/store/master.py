@@ -44,6 +44,7 @@ from ..errors import (ClientNotFound, InvalidKey, InvalidParams, JobNotFound, No
                       UnavailableInCurrentStatus, store_error)
 from .allocation import STRATEGIES, MountedSegment, align, order_segments
 from .journal import OBJECT, SEGMENT, Journal, State
+from .kv_events import DISK, MEMORY, KvEventPublisher
 from .limits import MAX_OBJECT_NBYTES, MAX_SLOT_NBYTES, check_key
 from .offload import relative_name
 from .repair import RepairQueue
@@ -223,6 +224,7 @@ class ClientInfo:
 
 
 _GONE = ClientInfo("", "", 0.0, confirmed=False)
+_MEMORY, _DISK = 1, 2   # media bits of MasterService._announced
 
 
 def _check_slot_request(nbytes: object, replica_num: object, count: object) -> None:
@@ -279,6 +281,8 @@ class MasterService:
                          "expired_clients": 0, "discarded_puts": 0, "recovered_objects": 0,
                          "reserved_puts": 0}
         self._journal: Journal | None = None
+        self.events: KvEventPublisher | None = None
+        self._announced: dict[str, int] = {}   # key -> media told to subscribers (events on)
         self._freed = False      # space was freed since free_seq was last taken
         self.free_seq = 0
         """Journal changes to wait for before handing out space: the ones that freed it
@@ -290,8 +294,34 @@ class MasterService:
         with self._lock:
             self._journal = journal
 
+    # -- KV events (kv_events.py) -------------------------------------------------------
+    def attach_events(self, publisher: KvEventPublisher) -> None:
+        """Tell ``publisher`` each change of what is readable from now on, starting with a
+        stored event for each medium of every readable object (after a restart or a
+        failover, subscribers learn what the pool holds)."""
+        with self._lock:
+            self.events = publisher
+            for key in self._objects:
+                self._announce(key)
+
+    def _announce(self, key: str) -> None:
+        """Stored/removed events for the media (memory, disk) ``key`` gained or lost."""
+        meta = self._objects.get(key)
+        now = 0 if meta is None else (_MEMORY if meta.replicas else 0) | (
+            _DISK if meta.disk_name is not None else 0)
+        before = self._announced.pop(key, 0)
+        if now:
+            self._announced[key] = now
+        for bit, medium in ((_MEMORY, MEMORY), (_DISK, DISK)):
+            if now & bit and not before & bit:
+                self.events.stored(key, medium)
+            elif before & bit and not now & bit:
+                self.events.removed(key, medium)
+
     def _note(self, key: str) -> None:
-        """Record ``key``'s committed state (or that it is gone)."""
+        """Record ``key``'s committed state (or that it is gone); tell subscribers."""
+        if self.events is not None:
+            self._announce(key)
         if self._journal is None:
             return
         meta = self._objects.get(key)
@@ -1185,7 +1215,10 @@ class MasterService:
         with self._lock:
             if name not in self._segments:
                 raise StoreSegmentNotFound(f"segment {name!r} is not mounted")
-            return "DRAINED" if name in self._drained else "DRAINING" if name in self._draining else "OK"
+            return self._segment_status(name)
+
+    def _segment_status(self, name: str) -> str:
+        return "DRAINED" if name in self._drained else "DRAINING" if name in self._draining else "OK"
 
     def advance_drains(self) -> None:
         """Account finished moves of running drain jobs, start the next ones, finish jobs."""
@@ -1417,6 +1450,33 @@ class MasterService:
             self._deferred = keep
         self.advance_drains()
         self.advance_repairs()
+
+    # -- admin queries (admin.py): they grant no lease and leave the LRU order alone ----
+    def describe(self, keys: list[str]) -> list[dict | None]:
+        """Each key's readable copies, None where no complete object has that key:
+        ``nbytes``, ``replicas`` (each a list of ``(segment, address, nbytes)`` shards)
+        and ``disk_name`` (its SSD-tier file, or None)."""
+        with self._lock:
+            out: list[dict | None] = []
+            for key in keys:
+                meta = self._objects.get(key)
+                out.append(None if meta is None or not meta.complete else {
+                    "nbytes": meta.nbytes, "replicas": [list(r) for r in meta.replicas],
+                    "disk_name": meta.disk_name})
+            return out
+
+    def all_keys(self) -> list[str]:
+        """The keys of every complete object, least recently used first."""
+        with self._lock:
+            return [key for key, meta in self._objects.items() if meta.complete]
+
+    def segments_detail(self) -> list[dict]:
+        """Each mounted segment: name, owner, range, bytes in use and drain status."""
+        with self._lock:
+            return [{"name": seg.name, "client_id": seg.client_id, "host_id": seg.host_id,
+                     "base": seg.base, "nbytes": seg.nbytes, "used": seg.allocator.used,
+                     "status": self._segment_status(seg.name)}
+                    for seg in self._segments.values()]
 
     def stats(self) -> dict:
         """Counters and sizes: ``used_bytes`` is held by objects (and puts in flight),

@@ -20,12 +20,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..errors import InvalidParams, MooncakeError, NotSupported
 from . import offload
 from .journal import EtcdJournal, FileJournal, Journal
+from .kv_events import KvEventConfig, KvEventPublisher
 from .master import MasterConfig, MasterService, PutConfig
 from .rpc import ListOf, RpcServer
 
@@ -68,6 +69,8 @@ class ServerOptions:
     replicate_metadata: bool = True        # with HA: committed metadata goes to etcd
     metadata_dir: str = ""                 # without HA: the journal's directory ("": none)
     metadata_fsync: bool = False           # fsync each batch of the local journal
+    kv_events: KvEventConfig | None = None  # publish KV events (kv_events.py); None: off;
+    # an empty backend_id is this master's address
 
 
 class MasterServer:
@@ -81,6 +84,8 @@ class MasterServer:
         self._metadata = None
         self._metrics = None
         self._election = None
+        self.events: KvEventPublisher | None = None
+        self._state = "starting"               # the original's runtime state (ha_state)
         self.journal: Journal | None = None
         self.recovery_s = 0.0                  # how long loading the journal took
         self._stop = threading.Event()
@@ -136,7 +141,7 @@ class MasterServer:
 
             self._metrics = serve_metrics(self.service, opts.metrics_host or opts.host,
                                           opts.metrics_port,
-                                          wrap=lambda app: admin_app(self.service, app))
+                                          wrap=lambda app: admin_app(self, app))
             log.info("metrics and admin HTTP on %s:%d", opts.metrics_host or opts.host,
                      self._metrics.port)
         if opts.enable_ha and opts.rpc_port == 0:
@@ -144,6 +149,9 @@ class MasterServer:
         # Listening before the election is won: clients that read the new leader's address
         # in etcd connect at once, and their calls wait in _gate until we lead.
         self._rpc = RpcServer(opts.host, opts.rpc_port, self._handlers(), gate=self._gate)
+        if opts.kv_events is not None:   # before the election: a bad endpoint fails the start
+            self.events = KvEventPublisher(replace(opts.kv_events, backend_id=(
+                opts.kv_events.backend_id or self.address)))
         if opts.enable_ha:
             from .ha import LeaderElection
 
@@ -151,10 +159,15 @@ class MasterServer:
                                             f"{opts.host}:{opts.rpc_port}")
             self._election.on_lost(self._on_lost)
             log.info("campaigning for leadership of cluster %s", opts.cluster_id)
+            self._state = "candidate"
             if not self._election.campaign(stop=stop):
                 return False
             log.info("elected leader of cluster %s", opts.cluster_id)
+        self._state = "recovering"
         self._recover()
+        if self.events is not None:
+            self.service.attach_events(self.events)
+        self._state = "serving"
         self._leading.set()
         self._reaper.start()
         log.info("master serving on %s:%d", opts.host, self._rpc.port)
@@ -196,7 +209,32 @@ class MasterServer:
     def _on_lost(self) -> None:
         log.error("lost leadership of cluster %s: refusing every call from now on",
                   self.options.cluster_id)
+        self._state = "standby"
         self.lost_leadership.set()
+
+    # -- what the admin API reads (admin.AdminHost) ------------------------------------
+    def ha_state(self) -> str:
+        """``starting``, ``candidate`` (campaigning), ``recovering`` (loading the
+        journal), ``serving`` or ``standby`` (leadership lost)."""
+        return self._state
+
+    def leader(self) -> tuple[str, int] | None:
+        """The published leader and its term (with --enable_ha; None without, or when
+        none is published or etcd does not answer)."""
+        if not self.options.enable_ha:
+            return None
+        from .ha import find_leader
+
+        try:
+            found = find_leader(self.options.etcd_endpoints, self.options.cluster_id)
+        except MooncakeError as exc:
+            log.warning("admin /leader: etcd did not answer: %s", exc)
+            return None
+        return None if found is None else (found.address, found.term)
+
+    def remove_all(self, force: bool) -> int:
+        """``remove_all`` as the RPC does it: durable, and its disk files deleted."""
+        return self._durable(self._deleting(self.service.remove_all))(force=force)
 
     def _gate(self) -> None:
         if not self._leading.wait(_GATE_WAIT_S):
@@ -342,3 +380,5 @@ class MasterServer:
             self._metadata.stop()
         if self._metrics is not None:
             self._metrics.shutdown()
+        if self.events is not None:
+            self.events.close()

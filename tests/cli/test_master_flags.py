@@ -56,7 +56,7 @@ _SPECIAL = {"help", "helpfull", "helpmatch", "helpon", "helppackage", "helpshort
 _VALUES = {"allocation_strategy": "local_first", "ha_backend_type": "etcd",
            "default_kv_lease_ttl": "5s", "default_kv_soft_pin_ttl": "2m",
            "max_kv_soft_pin_ttl": "1h", "eviction_high_watermark_ratio": "0.9",
-           "eviction_ratio": "0.1", "client_ttl": "3"}
+           "eviction_ratio": "0.1", "client_ttl": "3", "kv_events_queue_capacity": "8"}
 
 
 def _arg(parser_types: dict, name: str) -> str:

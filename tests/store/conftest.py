@@ -64,3 +64,13 @@ def master() -> Iterator[MasterServer]:
     server.start()
     yield server
     server.close()
+
+
+@pytest.fixture
+def admin_master() -> Iterator[MasterServer]:
+    """An in-process master with its metrics/admin HTTP on a free port (short read leases)."""
+    server = MasterServer(MasterConfig(default_kv_lease_ttl_ms=200),
+                          ServerOptions(rpc_port=0, metrics_port=0))
+    server.start()
+    yield server
+    server.close()

@@ -122,18 +122,6 @@ def test_batch_replica_clear(trio):
     assert not a.exists("one") and a.exists("two") and b.exists("theirs")
 
 
-@pytest.fixture
-def admin_master():
-    from mooncake_plugins.store.master import MasterConfig
-    from mooncake_plugins.store.server import MasterServer, ServerOptions
-
-    server = MasterServer(MasterConfig(default_kv_lease_ttl_ms=200),
-                          ServerOptions(rpc_port=0, metrics_port=0))
-    server.start()
-    yield server
-    server.close()
-
-
 def _http(port, path, body=None):
     import json
     import urllib.error
