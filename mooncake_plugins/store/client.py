@@ -895,19 +895,25 @@ class StoreClient(DerivedForms):
     def batch_get(self, keys: Sequence[str]) -> list[bytes | StoreError]:
         """Objects' bytes, or a per-key error."""
         bufs: dict[int, Any] = {}
-        regions = []
+        regions: dict[int, Any] = {}
 
         def dest(i: int, nbytes: int) -> list[tuple[int, int]]:
-            # A fresh bytes object is filled in place (native build): no second copy.
-            bufs[i] = memory.empty_bytes(nbytes)
-            address, _ = memory.address_of(bufs[i])
-            regions.append(self.engine.register_address(address, nbytes, private=True))
-            return [(address, nbytes)]
+            # A fresh bytes object is filled in place (native build): no second copy. A
+            # second attempt (a lease ran out) reuses it, or lets it go unregistered first:
+            # a buffer freed while registered would let the next one at its address clash
+            if i in bufs and len(bufs[i]) != nbytes:
+                self.engine.unregister(regions.pop(i))
+                del bufs[i]
+            if i not in bufs:
+                bufs[i] = memory.empty_bytes(nbytes)
+                address, _ = memory.address_of(bufs[i])
+                regions[i] = self.engine.register_address(address, nbytes, private=True)
+            return [(memory.address_of(bufs[i])[0], nbytes)]
 
         try:
             res = self._get(list(keys), dest)
         finally:
-            for r in regions:
+            for r in regions.values():
                 self.engine.unregister(r)
         return [r if isinstance(r, Exception) else bytes(bufs[i]) for i, r in enumerate(res)]
 
