@@ -49,6 +49,9 @@ def _store_args(parser: argparse.ArgumentParser, use: str) -> None:
                         "etcd://HOST:PORT of an HA group (its leader is followed): " + use)
     parser.add_argument("--store-cluster-id", default="mooncake",
                         help="the HA group's --cluster_id (with --store etcd://...)")
+    parser.add_argument("--store-poll", action="store_true",
+                        help="ask the master per request even where it publishes KV events "
+                        "(by default they are followed: no call per request)")
     parser.add_argument("--store-hash-algo", default="sha256",
                         help="the engines' --prefix-caching-hash-algo (sha256, sha256_cbor)")
     parser.add_argument("--store-hash-seed", help="the engines' PYTHONHASHSEED, if set")
@@ -77,7 +80,7 @@ def _store_view(args: argparse.Namespace, rediscover_s: float = 30.0) -> "StoreV
     return StoreView(args.store, VllmBlockHashes(args.block_tokens, args.store_hash_algo,
                                                  args.store_hash_seed),
                      rediscover_s=rediscover_s, cluster_id=args.store_cluster_id,
-                     lmcache=lmcache)
+                     lmcache=lmcache, events=not args.store_poll)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

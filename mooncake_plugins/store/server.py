@@ -232,6 +232,12 @@ class MasterServer:
             return None
         return None if found is None else (found.address, found.term)
 
+    def _kv_events_info(self) -> dict:
+        """Where this master publishes its KV events ("": it does not) and its admin
+        HTTP port (0: none), for subscribers that list its keys first (the router)."""
+        return {"endpoint": self.events.endpoint if self.events is not None else "",
+                "metrics_port": self.metrics_port or 0}
+
     def remove_all(self, force: bool) -> int:
         """``remove_all`` as the RPC does it: durable, and its disk files deleted."""
         return self._durable(self._deleting(self.service.remove_all))(force=force)
@@ -363,6 +369,7 @@ class MasterServer:
             "remove_all": ({"force": bool}, self._durable(self._deleting(s.remove_all))),
             "add_disk_replica": (keys, self._durable(lambda keys: _each(keys, s.add_disk_replica))),
             "stats": ({}, s.stats),
+            "kv_events": ({}, self._kv_events_info),
         }
 
     def close(self) -> None:

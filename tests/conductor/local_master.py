@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from mooncake_plugins.store.kv_events import KvEventConfig
 from mooncake_plugins.store.master import MasterConfig
 from mooncake_plugins.store.rpc import RpcClient
 from mooncake_plugins.store.server import MasterServer, ServerOptions
@@ -15,9 +16,12 @@ PUT_CONFIG = {"replica_num": 1, "preferred_segments": [], "with_soft_pin": False
 
 
 @contextlib.contextmanager
-def running_master() -> Iterator[tuple[MasterServer, RpcClient]]:
-    """The master and an RPC client registered as the writer ``put`` uses."""
-    server = MasterServer(MasterConfig(), ServerOptions(rpc_port=0))
+def running_master(events: bool = False) -> Iterator[tuple[MasterServer, RpcClient]]:
+    """The master and an RPC client registered as the writer ``put`` uses; ``events``:
+    it publishes KV events, and serves its admin HTTP (where they are listed first)."""
+    server = MasterServer(MasterConfig(), ServerOptions(
+        rpc_port=0, metrics_port=0 if events else None,
+        kv_events=KvEventConfig("tcp://127.0.0.1:*", "") if events else None))
     server.start()
     rpc = RpcClient("127.0.0.1", server.port)
     rpc.call("register_client", client_id="writer", host_id="h")

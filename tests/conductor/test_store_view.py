@@ -294,3 +294,105 @@ def test_the_router_prices_a_prefix_the_store_holds_as_a_load(master) -> None:
     # all 8 blocks of the first; of the second only the 4 its engine does not hold
     assert f"conductor_pool_hit_tokens_total {12 * BLOCK}.0" in page
     assert "conductor_pool_hit_tokens_total 0.0" in asyncio.run(main(False))
+
+
+def test_a_view_follows_the_masters_events_instead_of_asking_it(caplog) -> None:
+    """A master publishing KV events: the view lists its keys once (blocks saved before
+    the router started count), then prices every request from the events alone (no peek,
+    no scan: the master is not called), learning new blocks, removals and a new layout
+    from them."""
+    pytest.importorskip("zmq")
+    hashes = VllmBlockHashes(BLOCK)
+    prompt = tokens(21, 5)
+    keys = [f"{BASE}/tp{r}of2/{h.hex()}" for h in hashes.of(prompt) for r in (0, 1)]
+    with running_master(events=True) as (server, rpc):
+        put(rpc, keys[:4])                        # blocks 0-1 at both ranks, before the view
+        view = StoreView(f"127.0.0.1:{server.port}", hashes)
+        try:
+            assert view.prefix_blocks(prompt) == 2         # asked the master meanwhile
+            assert wait_until(lambda: view.feed is not None and view.feed.synced, 10)
+            calls: list[str] = []
+            real_call = view._rpc.call
+            view._rpc.call = lambda method, **kw: (calls.append(method),
+                                                   real_call(method, **kw))[1]
+            assert view.prefix_blocks(prompt) == 2
+            put(rpc, keys[4:8])                           # blocks 2-3
+            assert wait_until(lambda: view.prefix_blocks(prompt) == 4, 5)
+            rpc.call("remove", keys=[keys[2]], force=True)   # block 1, rank 0
+            assert wait_until(lambda: view.prefix_blocks(prompt) == 1, 5)
+            other = tokens(22, 3)
+            put(rpc, [f"vllm/other-2/x/tp0of1/{h.hex()}" for h in hashes.of(other)])
+            assert wait_until(lambda: view.prefix_blocks(other) == 3, 5)
+            assert ("vllm/other-2/x", 1) in [(lay.base, lay.size) for lay in view.layouts]
+            assert calls == [], calls
+            assert view.feed.resyncs == 1
+        finally:
+            view.close()
+    # a master without events: said once, and the view asks it per request
+    with running_master() as (server, rpc), caplog.at_level(logging.INFO):
+        put(rpc, keys[:2])
+        view = StoreView(f"127.0.0.1:{server.port}", hashes)
+        try:
+            assert view.prefix_blocks(prompt) == 1 and view.prefix_blocks(prompt) == 1
+            assert view.feed is None
+            assert len([r for r in caplog.records if "publishes no KV events" in r.message]) == 1
+        finally:
+            view.close()
+
+
+def test_a_feed_that_missed_events_lists_the_keys_again() -> None:
+    """The feed against a ZMQ publisher of the test's own (a stand-in for the master's):
+    a gap in the sequence numbers, or a malformed message, makes it list the keys again;
+    removals of one medium drop a listed key."""
+    zmq = pytest.importorskip("zmq")
+    import msgpack
+
+    from mooncake_plugins.conductor.router.store_events import StoreEventFeed
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("tcp://127.0.0.1:*")
+    endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    listings: list[int] = []
+    master_keys = {"k1", "k2"}
+
+    def list_keys() -> list[str]:
+        listings.append(1)
+        return sorted(master_keys)
+
+    seq = 0
+
+    def send(*events: tuple[str, str, str], gap: int = 0, raw: bytes | None = None) -> None:
+        """Publish ``events`` (applied to the stand-in master's keys first, as a master
+        does), after ``gap`` lost messages."""
+        nonlocal seq
+        for kind, key, _ in events:
+            (master_keys.add if kind == "stored" else master_keys.discard)(key)
+        seq += 1 + gap
+        payload = raw if raw is not None else msgpack.packb([0, [
+            {"event_type": t, "object_key": k, "medium": m} for t, k, m in events], 0])
+        pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+
+    seen: list[str] = []
+    feed = StoreEventFeed(endpoint, list_keys, lambda key: key.startswith("k"), seen.append)
+    try:
+        assert wait_until(lambda: feed.synced, 10)
+        assert feed.holds(["k1", "k2", "k3"]) == [True, True, False]
+        # the subscription reached the publisher once an event gets through
+        assert wait_until(lambda: (send(("stored", "k3", "cpu")),
+                                   feed.holds(["k3"]) == [True])[1], 10)
+        send(("stored", "x-ignored", "cpu"), ("removed", "k1", "disk"))
+        assert wait_until(lambda: feed.holds(["k1"]) == [False], 5)   # listed: any medium
+        send(("stored", "k5", "cpu"), ("stored", "k5", "disk"), ("removed", "k5", "cpu"))
+        assert wait_until(lambda: feed.holds(["k5"]) == [True], 5)    # its disk copy stays
+        assert "x-ignored" not in seen and {"k1", "k2", "k3"} <= set(seen)
+        master_keys.add("k9")                    # a change whose message is lost
+        send(("stored", "k4", "cpu"), gap=1)
+        assert wait_until(lambda: len(listings) == 2 and feed.synced, 5)
+        assert feed.holds(["k9", "k4", "k1"]) == [True, True, False]
+        send(raw=b"\xc1")
+        assert wait_until(lambda: len(listings) == 3 and feed.synced, 5)
+    finally:
+        feed.close()
+        pub.close(linger=0)
+        ctx.term()

@@ -29,6 +29,13 @@ not keep blocks from eviction) says which blocks every rank has, and a vLLM layo
 size is checked by peeking the next rank's key of a held first block (no scan). A
 master that cannot be reached costs a log line a minute and counts as holding nothing.
 
+Where the master publishes KV events (``--enable_kv_events``; asked once per master with
+the ``kv_events`` RPC), the view follows them instead (:mod:`.store_events`): it lists the
+master's keys once, keeps the block keys the events say the pool holds, and learns
+layouts from them, so a request is priced without a call to the master; until that feed
+is synced (and again after it missed events) the view asks the master as above. A master
+without events is said once in the log.
+
 An HA master group (``etcd://host:port[;host:port]``) is followed as the store's clients
 follow it: the leader published in etcd is asked; when it cannot be reached, etcd is read
 again (at most once a second) and a new leader is used from the next request on. The
@@ -38,17 +45,19 @@ waits for an election.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 from ...errors import MooncakeError, RpcFailed
 from ...store import block_keys
 from ...store.ha import find_leader, parse_etcd_endpoints
 from ...store.rpc import RpcClient, split_address
 from .lmcache_hashes import LmcacheChunkHashes
+from .store_events import StoreEventFeed
 from .vllm_hashes import VllmBlockHashes
 
 log = logging.getLogger(__name__)
@@ -139,11 +148,13 @@ class StoreView:
             often.
         timeout_s: RPC timeout.
         cluster_id: the HA group's ``--cluster_id`` (with ``etcd://`` only).
+        events: follow the master's KV events where it publishes them (False: always
+            ask the master).
     """
 
     def __init__(self, master: str, hashes: VllmBlockHashes, rediscover_s: float = 30.0,
                  timeout_s: float = 2.0, cluster_id: str = "mooncake",
-                 lmcache: LmcacheChunkHashes | None = None) -> None:
+                 lmcache: LmcacheChunkHashes | None = None, events: bool = True) -> None:
         self.hashes = hashes
         self.lmcache = lmcache
         self._unpriced: set[str] = set()   # LMCache layouts seen without its hashing
@@ -157,6 +168,10 @@ class StoreView:
             self._cluster_id = cluster_id
         else:
             self._rpc = RpcClient(*split_address(master), timeout_s)
+        self._events = events
+        self.feed: StoreEventFeed | None = None
+        self._feed_asked: str | None = None   # the master last asked where it publishes
+        self._feed_retry_at = 0.0
         self._next_lookup = 0.0
         self._rediscover_s = rediscover_s
         self._unknown_wait_s = min(FIRST_REDISCOVERY_S, rediscover_s)
@@ -178,6 +193,9 @@ class StoreView:
         hexes = {"block": [h.hex() for h in self.hashes.of(token_ids, usable)],
                  "chunk": [] if self.lmcache is None else self.lmcache.of(token_ids)}
         try:
+            feed = self._feed()
+            if feed is not None and feed.synced:   # layouts come with the events
+                return self._best(hexes, usable, feed.holds)
             best = self._best(hexes, usable)
             # a vLLM layout's TP size is a lower bound: the next rank is probed too
             unsure = any(layout.kind == "vllm" for layout in self.layouts)
@@ -201,7 +219,74 @@ class StoreView:
             if self._etcd is not None and self._rpc is not None:
                 self._rpc.close()   # the leader may have changed: read etcd next time
                 self._rpc = None
+                self._close_feed()
             return 0
+
+    def _feed(self) -> StoreEventFeed | None:
+        """The event feed of the master asked now, started the first time it is asked
+        (None: events off here, or that master publishes none)."""
+        if not self._events:
+            return None
+        master = self._master()
+        if self._feed_asked == master.address or time.monotonic() < self._feed_retry_at:
+            return self.feed
+        self._close_feed()
+        try:
+            info = master.call("kv_events")
+        except RpcFailed:
+            # down, or a master of before the kv_events call (it closes the line): ask
+            # again after rediscover_s
+            self._feed_retry_at = time.monotonic() + self._rediscover_s
+            return None
+        self._feed_asked = master.address
+        endpoint = info.get("endpoint", "") if isinstance(info, dict) else ""
+        port = info.get("metrics_port", 0) if isinstance(info, dict) else 0
+        if not endpoint or not port:
+            log.info("store master %s publishes no KV events (--enable_kv_events): "
+                     "the router asks it per request", master.address)
+            return None
+        if importlib.util.find_spec("zmq") is None:
+            log.warning("store master %s publishes KV events but pyzmq is missing here "
+                        "(pip install 'mooncake-plugins[conductor]'): asking it per request",
+                        master.address)
+            return None
+        host = split_address(master.address)[0]
+        self.feed = StoreEventFeed(_reachable(endpoint, host),
+                                   lambda: _all_keys(host, port, self._timeout_s),
+                                   lambda key: Layout.of(key) is not None, self._learn)
+        log.info("store master %s: following its KV events at %s", master.address,
+                 self.feed.endpoint)
+        return self.feed
+
+    def _close_feed(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
+            self.feed = None
+        self._feed_asked = None
+
+    def _learn(self, key: str) -> None:
+        """A stored block key from the events: its layout, if new or wider (the feed's
+        thread; the layout list is replaced whole)."""
+        seen = Layout.of(key)
+        if seen is None:
+            return
+        layout = seen[0]
+        if layout.kind == "lmcache" and self.lmcache is None:
+            self._warn_unpriced(layout)
+            return
+        known = next((k for k in self.layouts if k.family == layout.family), None)
+        if known is not None and known.size >= layout.size:
+            return
+        self.layouts = [k for k in self.layouts if k.family != layout.family] + [layout]
+        log.info("store layout learned from events: %s (%s keys, TP %d)", layout.base,
+                 layout.kind, layout.size)
+
+    def _warn_unpriced(self, layout: Layout) -> None:
+        if layout.base not in self._unpriced:
+            self._unpriced.add(layout.base)
+            log.warning("the store holds LMCache chunks of %s: give the router LMCache's "
+                        "chunk size and hashing (--store-lmcache-chunk-size) to price them",
+                        layout.base)
 
     def _master(self) -> RpcClient:
         """The RPC client of the master to ask (an HA group's leader, read from etcd)."""
@@ -220,18 +305,22 @@ class StoreView:
         self._rpc = RpcClient(*split_address(leader.address), self._timeout_s)
         return self._rpc
 
-    def _best(self, hexes: dict[str, list[str]], usable: int) -> int:
+    def _best(self, hexes: dict[str, list[str]], usable: int,
+              holds: Callable[[list[str]], list] | None = None) -> int:
         """The most leading blocks (of at most ``usable``) one model holds whole: at
         every TP rank of every pipeline stage seen (LMCache: its chunks, at every
-        worker, in blocks)."""
-        if not self.layouts:
+        worker, in blocks). ``holds`` says which keys the pool holds (default: ask the
+        master)."""
+        layouts = self.layouts
+        if not layouts:
             return 0
         keys = [layout.keys(hexes["chunk" if layout.kind == "lmcache" else "block"])
-                for layout in self.layouts]
-        present = self._master().call("peek", keys=[k for each in keys for k in each])
+                for layout in layouts]
+        flat = [k for each in keys for k in each]
+        present = holds(flat) if holds is not None else self._master().call("peek", keys=flat)
         held: dict[tuple[str, str, str], int] = {}
         at = 0
-        for layout, each in zip(self.layouts, keys):
+        for layout, each in zip(layouts, keys):
             n = block_keys.leading_blocks(present[at:at + len(each)], layout.size)
             at += len(each)
             if layout.kind == "lmcache":   # whole chunks, before the prompt's last token
@@ -254,12 +343,7 @@ class StoreView:
                     continue
                 layout = seen[0]
                 if layout.kind == "lmcache" and self.lmcache is None:
-                    if layout.base not in self._unpriced:
-                        self._unpriced.add(layout.base)
-                        log.warning("the store holds LMCache chunks of %s: give the "
-                                    "router LMCache's chunk size and hashing "
-                                    "(--store-lmcache-chunk-size) to price them",
-                                    layout.base)
+                    self._warn_unpriced(layout)
                 elif layout.family not in found or found[layout.family].size < layout.size:
                     found[layout.family] = layout
 
@@ -299,5 +383,29 @@ class StoreView:
         return grown
 
     def close(self) -> None:
+        self._close_feed()
         if self._rpc is not None:
             self._rpc.close()
+
+
+def _reachable(endpoint: str, host: str) -> str:
+    """``endpoint`` as a subscriber connects to it: a wildcard bind address (``*``,
+    ``0.0.0.0``, ``::``) becomes ``host``, the master's address."""
+    scheme, _, rest = endpoint.partition("://")
+    addr, _, port = rest.rpartition(":")
+    if addr in ("*", "0.0.0.0", "[::]", "::", "[*]"):
+        addr = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{addr}:{port}"
+
+
+def _all_keys(host: str, port: int, timeout_s: float) -> Iterator[str]:
+    """Every key the master at ``host`` holds, from its admin ``/get_all_keys`` (one per
+    line, streamed)."""
+    import urllib.request
+
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/get_all_keys"
+    with urllib.request.urlopen(url, timeout=max(timeout_s, 10.0)) as reply:
+        for line in reply:
+            key = line.rstrip(b"\n").decode("utf-8", "replace")
+            if key:
+                yield key
