@@ -244,7 +244,7 @@ def link_down() -> None:
 def path_pause() -> None:
     """A path whose request fails (VERBS_DOUBLE_FAIL_AFTER=5) is paused: the transfer
     completes over the other NIC pair, the next one uses only that pair, and after the
-    pause (1 s here) both carry bytes again."""
+    pause (1 s here) both carry bytes again (within a few writes)."""
     logs = Logs()
     with engine(path_pause_s=1.0) as a, engine(path_pause_s=1.0) as b:
         n = 4 * MiB
@@ -270,10 +270,15 @@ def path_pause() -> None:
         while any(st["paused"] for st in b.path_stats().values()):   # the pause ends
             assert time.monotonic() < deadline, b.path_stats()
             time.sleep(0.02)
+        # both carry bytes again: a path takes the next slice when it is free, so on a
+        # loaded machine one write may go over one path alone; a few writes use both
         before = moved()
-        b.write(a.segment_name, src.address, dst.address, n)
-        grew = {p for p, k in moved().items() if k > before.get(p, 0)}
-        assert grew == set(stats), (grew, stats)
+        for _ in range(20):
+            b.write(a.segment_name, src.address, dst.address, n)
+            grew = {p for p, k in moved().items() if k > before.get(p, 0)}
+            if grew == set(stats):
+                break
+        assert grew == set(stats), (grew, b.path_stats())
         assert not any(st["paused"] for st in b.path_stats().values())
         assert bytes(dst.view()) == data
     assert live() == 0, live()
