@@ -239,7 +239,8 @@ class MasterServer:
                 "metrics_port": self.metrics_port or 0}
 
     def remove_all(self, force: bool) -> int:
-        """``remove_all`` as the RPC does it: durable, and its disk files deleted."""
+        """``remove_all`` of the RPC and the admin API: answered once durable, its disk
+        files deleted."""
         return self._durable(self._deleting(self.service.remove_all))(force=force)
 
     def _gate(self) -> None:
@@ -366,7 +367,7 @@ class MasterServer:
                 lambda keys, force: _each(keys, lambda k: s.remove(k, force))))),
             "remove_by_regex": ({"pattern": str, "force": bool},
                                 self._durable(self._deleting(s.remove_by_regex))),
-            "remove_all": ({"force": bool}, self._durable(self._deleting(s.remove_all))),
+            "remove_all": ({"force": bool}, self.remove_all),
             "add_disk_replica": (keys, self._durable(lambda keys: _each(keys, s.add_disk_replica))),
             "stats": ({}, s.stats),
             "kv_events": ({}, self._kv_events_info),
