@@ -7,8 +7,9 @@ subscription reach it, then lists the master's keys once (``list_keys``: its adm
 ``/get_all_keys``, streamed) and applies every event received from the subscription on,
 in order, over that listing. It is :attr:`~StoreEventFeed.synced` from then until a
 sequence gap (events the master or ZMQ dropped), after which it lists again; meanwhile
-the view asks the master as without events. Only the keys ``keep`` accepts (block keys)
-are held, and ``on_stored`` sees each stored one (the view learns layouts from them).
+the view asks the master as without events. Each listed or stored key goes to
+``on_stored``, which says whether to hold it (block keys; the view learns layouts from
+them on the way).
 
 A key in the listing has no medium: a ``removed`` event of either medium drops it. Where
 it had both (a disk copy that stays after eviction from memory) the feed then says it is
@@ -41,16 +42,16 @@ class StoreEventFeed:
     Args:
         endpoint: the master's PUB endpoint, ``tcp://host:port``.
         list_keys: every key the master holds now (blocking; raises on failure).
-        keep: whether a key is one to hold (the others are ignored).
-        on_stored: called with each stored key kept (in the feed's thread).
+        on_stored: called with each key listed or stored (in the feed's thread); whether
+            to hold it (the others are ignored).
     """
 
     def __init__(self, endpoint: str, list_keys: Callable[[], Iterable[str]],
-                 keep: Callable[[str], bool], on_stored: Callable[[str], None]) -> None:
+                 on_stored: Callable[[str], bool]) -> None:
         import zmq
 
         self.endpoint = endpoint
-        self._list_keys, self._keep, self._on_stored = list_keys, keep, on_stored
+        self._list_keys, self._on_stored = list_keys, on_stored
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -93,7 +94,7 @@ class StoreEventFeed:
         """List the master's keys, then apply what arrived meanwhile; whether it worked."""
         self.resyncs += 1
         try:
-            held = {key: _LISTED for key in self._list_keys() if self._keep(key)}
+            held = {key: _LISTED for key in self._list_keys() if self._on_stored(key)}
         except Exception as exc:   # any failure: stay unsynced, the view asks the master
             log.warning("store events: listing the master's keys failed (%s); the router "
                         "asks the master per request meanwhile", exc)
@@ -101,8 +102,6 @@ class StoreEventFeed:
         self._last_seq = None
         while self._sock.poll(0):
             self._take(self._sock.recv_multipart(), held)
-        for key in held:
-            self._on_stored(key)
         self._held = held
         self._synced = True
         log.info("store events: following %s (%d block keys held)", self.endpoint, len(held))
@@ -126,11 +125,10 @@ class StoreEventFeed:
             self._synced = False
         self._last_seq = seq
         for kind, key, bit in changes:
-            if not isinstance(key, str) or not self._keep(key):
+            if not isinstance(key, str):
                 continue
-            if kind == "stored":
+            if kind == "stored" and self._on_stored(key):
                 held[key] = (held.get(key, 0) & ~_LISTED) | bit
-                self._on_stored(key)
             elif kind == "removed" and key in held:
                 left = held[key] & ~bit & ~_LISTED
                 if left:

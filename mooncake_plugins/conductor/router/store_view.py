@@ -252,8 +252,7 @@ class StoreView:
             return None
         host = split_address(master.address)[0]
         self.feed = StoreEventFeed(_reachable(endpoint, host),
-                                   lambda: _all_keys(host, port, self._timeout_s),
-                                   lambda key: Layout.of(key) is not None, self._learn)
+                                   lambda: _all_keys(host, port, self._timeout_s), self._learn)
         log.info("store master %s: following its KV events at %s", master.address,
                  self.feed.endpoint)
         return self.feed
@@ -264,22 +263,24 @@ class StoreView:
             self.feed = None
         self._feed_asked = None
 
-    def _learn(self, key: str) -> None:
-        """A stored block key from the events: its layout, if new or wider (the feed's
+    def _learn(self, key: str) -> bool:
+        """A key the master holds, from the events or their listing: whether it is a
+        block key (the feed holds those), learning its layout if new or wider (the feed's
         thread; the layout list is replaced whole)."""
         seen = Layout.of(key)
         if seen is None:
-            return
+            return False
         layout = seen[0]
         if layout.kind == "lmcache" and self.lmcache is None:
             self._warn_unpriced(layout)
-            return
+            return True
         known = next((k for k in self.layouts if k.family == layout.family), None)
         if known is not None and known.size >= layout.size:
-            return
+            return True
         self.layouts = [k for k in self.layouts if k.family != layout.family] + [layout]
         log.info("store layout learned from events: %s (%s keys, TP %d)", layout.base,
                  layout.kind, layout.size)
+        return True
 
     def _warn_unpriced(self, layout: Layout) -> None:
         if layout.base not in self._unpriced:
