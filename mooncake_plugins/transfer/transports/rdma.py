@@ -369,8 +369,11 @@ class RdmaTransport(Transport):
                 moved[path] = moved.get(path, 0) + slices[pos][4]
         if seconds <= 0:
             return
+        now = time.monotonic()
         with self._lock:
             for path, n in moved.items():
+                if path.paused_until > now:   # this batch's time is its failure's, not its pace
+                    continue
                 sample = n / seconds
                 path.rate = sample if not path.rate else 0.7 * path.rate + 0.3 * sample
 
@@ -543,6 +546,9 @@ class RdmaTransport(Transport):
         with self._lock:
             path.paused_until = time.monotonic() + self._path_pause_s
             path.failures += 1
+            # measured before it failed: after its pause it is tried as an unmeasured path
+            # (as fast as the best), else a low rate would keep every slice off it for good
+            path.rate = 0.0
         log.warning("%s failed (%s): its slices go to the other paths, and it is tried "
                     "again in %.1f s", path.name, why, self._path_pause_s)
 
